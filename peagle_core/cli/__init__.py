@@ -1,0 +1,32 @@
+"""The library's own commands (`peagle toy|data|cache|train|eval|export`), usable without the service.
+
+Each command group lives in its own module and imports torch only inside its commands, so
+`peagle --help` stays fast. `service.cli` mounts these groups under the full `peagle` CLI.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from peagle_core.cli import cache, data, export, toy, train
+
+
+def register(app: typer.Typer) -> None:
+    """Mount the core command groups on `app`."""
+    app.add_typer(toy.app, name="toy")
+    app.add_typer(data.app, name="data")
+    app.add_typer(cache.app, name="cache")
+    app.add_typer(export.app, name="export")
+    train.register(app)
+
+
+def build_app() -> typer.Typer:
+    app = typer.Typer(no_args_is_help=True, add_completion=False, help="P-EAGLE drafter training (library CLI).")
+    register(app)
+    return app
+
+
+def main() -> None:
+    from peagle_core.cli.common import run_app
+
+    run_app(build_app())

@@ -1,0 +1,38 @@
+"""Shared CLI behaviour: expected failures print one readable line and exit non-zero, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from peagle_core.errors import PeagleError
+
+
+def fail(message: str, code: int = 1) -> None:
+    """Print `error: message` to stderr and exit with `code`."""
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise typer.Exit(code)
+
+
+def run_app(app: typer.Typer) -> None:
+    """Run a typer app, turning PeagleError (and Ctrl-C) into one line on stderr."""
+    try:
+        app(standalone_mode=False)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except PeagleError as exc:
+        typer.secho(f"error: {exc.message}", err=True, fg=typer.colors.RED)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        typer.secho("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # click usage errors and the like
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise

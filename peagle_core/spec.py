@@ -1,0 +1,239 @@
+"""The job spec: the one pydantic definition of a training job, shared by the API, the worker and the CLI.
+
+A YAML or JSON file maps 1:1 onto `JobSpec`; every field is validated with a message that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from peagle_core.errors import PeagleError
+
+_QUEUE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors: a typo in a spec must never be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class VerifierSpec(_Strict):
+    """The verifier: a Hugging Face causal LM, by local path or hub id."""
+
+    name_or_path: Annotated[str, Field(min_length=1, max_length=1024)]
+    revision: str | None = Field(default=None, max_length=256)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    layer_ids: list[int] | None = Field(
+        default=None,
+        description="Three verifier layers whose hidden states feed the drafter; default [2, L//2, L-3].",
+    )
+    trust_remote_code: bool = False
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _three_distinct_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) != 3:
+            raise ValueError("must list exactly 3 layer ids")
+        if any(i < 0 for i in v):
+            raise ValueError("layer ids must be >= 0")
+        if len(set(v)) != 3:
+            raise ValueError("layer ids must be distinct")
+        return v
+
+
+class DatasetSpec(_Strict):
+    """Chat data: an uploaded dataset id (API) or a JSONL path (CLI, or a server path under an allowed root)."""
+
+    id: str | None = Field(default=None, max_length=64)
+    path: str | None = Field(default=None, max_length=4096)
+    format: Literal["auto", "messages", "sharegpt", "tokenized"] = "auto"
+    seq_len: int = Field(default=2048, ge=16, le=131072)
+    max_samples: int | None = Field(default=None, ge=1)
+    val_fraction: float = Field(default=0.05, ge=0.0, le=0.5)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if (self.id is None) == (self.path is None):
+            raise ValueError("give exactly one of 'id' (an uploaded dataset) or 'path' (a JSONL file)")
+        return self
+
+
+class HiddenStatesSpec(_Strict):
+    """Where the verifier's hidden states come from: a cache, online passes, or both (hybrid)."""
+
+    mode: Literal["online", "offline", "hybrid"] = "hybrid"
+    cache_uri: str | None = Field(
+        default=None, max_length=4096, description="Cache directory; default: one per (verifier, data) fingerprint."
+    )
+    dtype: Literal["bf16", "fp8", "fp32"] = "bf16"
+    max_cache_bytes: int | None = Field(default=None, ge=0)
+
+
+class ModelSpec(_Strict):
+    """The drafter's shape and COD sampling settings (defaults follow the P-EAGLE parameter table)."""
+
+    num_layers: int = Field(default=4, ge=1, le=64)
+    num_depths: int = Field(default=4, ge=1, le=32)
+    down_sample_ratio: float = Field(default=0.7, gt=0.0, le=1.0)
+    down_sample_ratio_min: float = Field(default=0.2, ge=0.0, le=1.0)
+    max_anchors: int | None = Field(default=None, ge=1)
+    draft_vocab_size: int | None = Field(
+        default=32000, ge=2, description="Capped at the verifier's vocabulary; null means the full vocabulary."
+    )
+    norm_before_residual: bool = True
+    init_embeddings_from_verifier: bool = True
+
+
+class TrainingSpec(_Strict):
+    """Optimiser, schedule, batching and checkpoint cadence."""
+
+    epochs: int = Field(default=1, ge=1, le=1000)
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
+    lr: float = Field(default=6e-4, gt=0.0, le=1.0)
+    warmup_ratio: float = Field(default=0.03, ge=0.0, le=0.5)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(default=0.01, ge=0.0, le=1.0)
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    total_seq_len: int = Field(default=8192, ge=16, le=1048576)
+    grad_accum: int = Field(default=1, ge=1, le=1024)
+    num_segments: int = Field(default=1, ge=1, le=64, description="Sequence partitioning for long contexts.")
+    seed: int = Field(default=0, ge=0)
+    checkpoint_every_steps: int = Field(default=500, ge=1)
+    eval_every_steps: int | None = Field(default=None, ge=1)
+
+
+class EvaluationSpec(_Strict):
+    """Acceptance-length evaluation against the verifier on held-out prompts."""
+
+    prompts: int | list[Annotated[str, Field(min_length=1)]] = Field(
+        default=16, description="How many held-out prompts, or the prompts themselves."
+    )
+    max_new_tokens: int = Field(default=64, ge=1, le=4096)
+    speculative_tokens: list[int] | None = Field(
+        default=None, description="K values to evaluate; default [num_depths]."
+    )
+
+    @field_validator("prompts")
+    @classmethod
+    def _some_prompts(cls, v: int | list[str]) -> int | list[str]:
+        if isinstance(v, int) and not 0 <= v <= 10000:
+            raise ValueError("must be between 0 and 10000")
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("give at least one prompt, or a count")
+        return v
+
+    @field_validator("speculative_tokens")
+    @classmethod
+    def _positive(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(k < 1 for k in v)):
+            raise ValueError("must be a non-empty list of integers >= 1")
+        return v
+
+
+class ResourcesSpec(_Strict):
+    """What the job runs on."""
+
+    gpus: int = Field(default=1, ge=1, le=64)
+    queue: str = Field(default="default", pattern=_QUEUE_PATTERN)
+
+
+class JobSpec(_Strict):
+    """A whole training job."""
+
+    name: str | None = Field(default=None, max_length=200)
+    verifier: VerifierSpec
+    dataset: DatasetSpec
+    hidden_states: HiddenStatesSpec = Field(default_factory=HiddenStatesSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        ks = self.evaluation.speculative_tokens
+        if ks is not None and max(ks) > self.model.num_depths:
+            raise ValueError(
+                f"evaluation.speculative_tokens: K={max(ks)} exceeds model.num_depths={self.model.num_depths}"
+            )
+        if self.training.total_seq_len < self.dataset.seq_len:
+            raise ValueError(
+                f"training.total_seq_len ({self.training.total_seq_len}) must be >= dataset.seq_len "
+                f"({self.dataset.seq_len}) so that every sample fits a packed row"
+            )
+        return self
+
+    @property
+    def speculative_tokens(self) -> list[int]:
+        return self.evaluation.speculative_tokens or [self.model.num_depths]
+
+
+class SpecError(PeagleError, ValueError):
+    """A spec that does not validate; `errors` lists (param, message) pairs naming each bad field."""
+
+    code = "invalid_spec"
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        first = errors[0][0] if errors else None
+        super().__init__("; ".join(f"{p}: {m}" if p else m for p, m in errors), param=first or None)
+
+
+def validation_errors(exc: ValidationError) -> list[tuple[str, str]]:
+    """Turn a pydantic error into (dotted field path, message) pairs a user can act on."""
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append((loc, msg))
+    return out
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a dict (already parsed JSON/YAML) into a JobSpec, raising SpecError naming the fields."""
+    if not isinstance(data, dict):
+        raise SpecError([("", "a job spec must be a mapping (JSON object / YAML mapping)")])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(validation_errors(exc)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a YAML or JSON spec file; parse errors name the line, validation errors name the field."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise SpecError([("", f"cannot read spec file {p}: {exc.strerror}")]) from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError([("", f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}")]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise SpecError([("", f"{p}: invalid YAML{where}: {getattr(exc, 'problem', exc)}")]) from None
+    return parse_spec(data)
+
+
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's default auxiliary layers for an L-layer verifier: [2, L//2, L-3].
+
+    Ids index HF `hidden_states` (id i is the input of decoder layer i), the convention vLLM captures.
+    Verifiers too small for three distinct defaults fall back to [0, L//2, L-1].
+    """
+    n = num_hidden_layers
+    if n < 3:
+        raise ValueError(f"the verifier has {n} layers; P-EAGLE needs at least 3")
+    ids = [2, n // 2, n - 3]
+    if len(set(ids)) < 3:
+        ids = [0, n // 2, n - 1]
+    return sorted(ids)
