@@ -70,7 +70,9 @@ class HiddenStatesSpec(_Strict):
 
     mode: Literal["online", "offline", "hybrid"] = "hybrid"
     cache_uri: str | None = Field(
-        default=None, max_length=4096, description="Cache directory; default: one per (verifier, data) fingerprint."
+        default=None,
+        max_length=4096,
+        description="Cache directory; default: one per (verifier, data) fingerprint.",
     )
     dtype: Literal["bf16", "fp8", "fp32"] = "bf16"
     max_cache_bytes: int | None = Field(default=None, ge=0)
@@ -85,7 +87,9 @@ class ModelSpec(_Strict):
     down_sample_ratio_min: float = Field(default=0.2, ge=0.0, le=1.0)
     max_anchors: int | None = Field(default=None, ge=1)
     draft_vocab_size: int | None = Field(
-        default=32000, ge=2, description="Capped at the verifier's vocabulary; null means the full vocabulary."
+        default=32000,
+        ge=2,
+        description="Capped at the verifier's vocabulary; null means the full vocabulary.",
     )
     norm_before_residual: bool = True
     init_embeddings_from_verifier: bool = True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ["tests.fixtures.toy", "tests.fixtures.stack"]
+
 
 def _cuda_available() -> bool:
     try:

@@ -21,7 +21,9 @@ def register(app: typer.Typer) -> None:
 
 
 def build_app() -> typer.Typer:
-    app = typer.Typer(no_args_is_help=True, add_completion=False, help="P-EAGLE drafter training (library CLI).")
+    app = typer.Typer(
+        no_args_is_help=True, add_completion=False, help="P-EAGLE drafter training (library CLI)."
+    )
     register(app)
     return app
 

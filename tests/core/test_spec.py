@@ -1,0 +1,76 @@
+"""The job spec names every bad field and maps YAML/JSON files 1:1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peagle_core.spec import JobSpec, SpecError, default_layer_ids, load_spec, parse_spec
+
+BASE = {"verifier": {"name_or_path": "/models/v"}, "dataset": {"path": "/data/chat.jsonl", "seq_len": 512}}
+
+
+def test_defaults_follow_the_parameter_table() -> None:
+    spec = parse_spec(BASE)
+    assert (spec.model.num_layers, spec.model.num_depths) == (4, 4)
+    assert (spec.model.down_sample_ratio, spec.model.down_sample_ratio_min) == (0.7, 0.2)
+    assert spec.model.norm_before_residual is True
+    assert spec.training.lr == 6e-4
+    assert spec.speculative_tokens == [4]
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"training": {"lr": -1}}, "training.lr"),
+        ({"model": {"down_sample_ratio": 0}}, "model.down_sample_ratio"),
+        ({"model": {"down_sample_ratio_min": 1.5}}, "model.down_sample_ratio_min"),
+        ({"hidden_states": {"mode": "sometimes"}}, "hidden_states.mode"),
+        ({"verifier": {"name_or_path": "v", "layer_ids": [1, 1, 2]}}, "verifier.layer_ids"),
+        ({"training": {"epochs": 0}}, "training.epochs"),
+        ({"training": {"bogus": 1}}, "training.bogus"),
+        ({"resources": {"queue": "no spaces"}}, "resources.queue"),
+    ],
+)
+def test_bad_fields_are_named(patch: dict, param: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({**BASE, **patch})
+    assert param in [p for p, _ in info.value.errors]
+    assert param in str(info.value)
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(SpecError, match="speculative_tokens"):
+        parse_spec({**BASE, "evaluation": {"speculative_tokens": [8]}})
+    with pytest.raises(SpecError, match="total_seq_len"):
+        parse_spec({**BASE, "training": {"total_seq_len": 256}})
+    with pytest.raises(SpecError, match="exactly one"):
+        parse_spec({**BASE, "dataset": {"path": "a", "id": "b"}})
+
+
+def test_yaml_and_json_files_map_one_to_one(tmp_path) -> None:
+    y = tmp_path / "spec.yaml"
+    y.write_text("verifier:\n  name_or_path: /m\ndataset:\n  path: /d.jsonl\nmodel:\n  num_depths: 6\n")
+    j = tmp_path / "spec.json"
+    j.write_text(
+        json.dumps(
+            {"verifier": {"name_or_path": "/m"}, "dataset": {"path": "/d.jsonl"}, "model": {"num_depths": 6}}
+        )
+    )
+    assert load_spec(y) == load_spec(j)
+    assert JobSpec.model_validate(load_spec(y).model_dump()) == load_spec(y)
+
+
+def test_file_errors_name_the_line(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("verifier:\n  name_or_path: [unclosed\n")
+    with pytest.raises(SpecError, match="line"):
+        load_spec(bad)
+
+
+def test_default_layer_ids() -> None:
+    assert default_layer_ids(32) == [2, 16, 29]
+    assert len(set(default_layer_ids(4))) == 3 and max(default_layer_ids(4)) < 4
+    with pytest.raises(ValueError):
+        default_layer_ids(2)
