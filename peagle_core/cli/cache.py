@@ -1,7 +1,104 @@
-"""`peagle cache ...` commands."""
+"""`peagle cache build|verify`: fill a hidden-state cache from a verifier and prepared data, or check one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="cache commands")
+from peagle_core.errors import CacheError
+
+app = typer.Typer(no_args_is_help=True, help="Hidden-state cache: build (resumable) and verify.")
+
+
+def _parse_layer_ids(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise CacheError(
+            f"--layer-ids: expected comma-separated integers, got {text!r}", param="--layer-ids"
+        ) from None
+    if len(ids) != 3:
+        raise CacheError(f"--layer-ids: expected 3 layer ids, got {len(ids)}", param="--layer-ids")
+    return ids
+
+
+@app.command("build")
+def build(
+    verifier: str = typer.Option(..., "--verifier", help="Verifier: local HF directory or hub id."),
+    data: Path = typer.Option(..., "--data", help="Prepared dataset directory (`peagle data prepare`)."),
+    out: Path = typer.Option(..., "--out", help="Cache directory (created, or resumed if it exists)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Storage dtype: bf16, fp8 (e4m3 + row scale) or fp32."),
+    layer_ids: str | None = typer.Option(None, "--layer-ids", help="Three verifier layers, e.g. 2,8,13."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per verifier call."),
+    shard_mb: float = typer.Option(128.0, "--shard-mb", min=0.0, help="Target shard size in MiB."),
+    revision: str | None = typer.Option(None, "--revision", help="Hub revision of the verifier."),
+    device: str | None = typer.Option(None, "--device", help="cuda / cpu (default: cuda if available)."),
+    verifier_dtype: str = typer.Option("auto", "--verifier-dtype", help="auto, float32, bfloat16, float16."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+) -> None:
+    """Run the verifier over every sample of PREPARED and store its hidden states in OUT."""
+    from peagle_core.cache import DTYPES, CacheFingerprint, build_cache, human_bytes
+    from peagle_core.data.prepare import PreparedDataset
+    from peagle_core.hidden_states import VerifierCompute
+    from peagle_core.verifier import Verifier
+
+    if dtype not in DTYPES:
+        raise CacheError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}", param="--dtype")
+    ids = _parse_layer_ids(layer_ids)
+    dataset = PreparedDataset.open(data)
+    v = Verifier.load(
+        verifier,
+        revision=revision,
+        dtype=verifier_dtype,
+        device=device,
+        layer_ids=ids,
+        trust_remote_code=trust_remote_code,
+    )
+    pad = v.tokenizer.pad_token_id if v.tokenizer.pad_token_id is not None else 0
+    report = build_cache(
+        out,
+        dataset,
+        VerifierCompute(dataset, lambda: v, pad_token_id=pad),
+        CacheFingerprint.of(v, dataset),
+        dtype=dtype,
+        batch_size=batch_size,
+        shard_bytes=max(1, int(shard_mb * (1 << 20))),
+        dataset_dir=str(Path(data).resolve()),
+        progress=True,
+    )
+    typer.echo(
+        f"{out}: {report.total_samples} samples, {human_bytes(report.total_bytes)} "
+        f"({report.computed} computed, {report.skipped} already cached, {report.shards_written} shards written)"
+    )
+
+
+@app.command("verify")
+def verify(
+    cache_dir: Path = typer.Argument(..., help="Cache directory."),
+    data: Path | None = typer.Option(
+        None,
+        "--data",
+        help="Prepared dataset to compare token ids with (default: the one it was built from).",
+    ),
+) -> None:
+    """Check checksums, tensor shapes, token ids and finite values; exit 1 naming each bad shard."""
+    from peagle_core.cache import CacheCorruptError, HiddenStateCache, verify_cache
+    from peagle_core.data.prepare import PreparedDataset
+
+    cache = HiddenStateCache.open(cache_dir)
+    data_dir = data or cache.manifest.get("dataset_dir")
+    if data_dir is None or not Path(data_dir).is_dir():
+        raise CacheError(
+            f"cannot compare token ids: prepared dataset {data_dir or '(unknown)'} not found; pass --data DIR",
+            param="--data",
+        )
+    problems = verify_cache(cache_dir, PreparedDataset.open(data_dir))
+    if problems:
+        for p in problems:
+            typer.secho(f"{cache_dir}: {p}", err=True, fg=typer.colors.RED)
+        # An error rather than fail(): run_app maps PeagleError to exit status 1.
+        raise CacheCorruptError(f"{len(problems)} problem(s) in {cache_dir}", shard=problems[0].split(":")[0])
+    typer.echo(f"{cache_dir}: ok ({len(cache.shards)} shards, {len(cache)} samples)")

@@ -1,9 +1,87 @@
-"""`peagle train` and `peagle eval`: top-level training and evaluation commands."""
+"""`peagle train` and `peagle eval`: train a drafter from a spec file, or measure one's acceptance length."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
 
 import typer
 
 
+def train_command(
+    spec_file: Path = typer.Argument(..., help="job spec (YAML or JSON)"),
+    out: Path | None = typer.Option(None, "--out", help="output directory (default: ./runs/<spec name>)"),
+    no_resume: bool = typer.Option(False, "--no-resume", help="start over even if checkpoints exist"),
+) -> None:
+    """Train a P-EAGLE drafter; checkpoints go to OUT/checkpoints, the vLLM export to OUT/export."""
+    from tqdm import tqdm
+
+    from peagle_core.spec import load_spec
+    from peagle_core.train import train
+
+    spec = load_spec(spec_file)
+    out_dir = out or Path("runs") / (spec.name or spec_file.stem)
+    bar: Any = None
+
+    def on_metrics(m: dict[str, Any]) -> None:
+        nonlocal bar
+        if "total_steps" not in m:  # an evaluation result
+            for key, value in m.items():
+                if key.startswith("eval/"):
+                    tqdm.write(f"step {m['step']}: {key} = {value:.3f}")
+            return
+        if bar is None:
+            bar = tqdm(total=m["total_steps"], initial=m["step"] - 1, unit="step", dynamic_ncols=True)
+        bar.update(m["step"] - bar.n)
+        bar.set_postfix(loss=f"{m['loss']:.4f}", acc0=f"{m.get('acc_0', 0):.3f}", lr=f"{m['lr']:.2e}",
+                        tok_s=f"{m['tokens_per_s']:.0f}")  # fmt: skip
+
+    def on_event(kind: str, message: str, data: dict[str, Any]) -> None:
+        (tqdm.write if bar is not None else typer.echo)(f"[{kind}] {message}")
+
+    try:
+        result = train(spec, out_dir, on_metrics=on_metrics, on_event=on_event, resume=not no_resume)
+    finally:
+        if bar is not None:
+            bar.close()
+    typer.echo(json.dumps({"status": result.status, "step": result.step,
+                           "export_dir": str(result.export_dir) if result.export_dir else None,
+                           "metrics": result.metrics}))  # fmt: skip
+
+
+def eval_command(
+    drafter: Path = typer.Option(..., "--drafter", help="exported drafter directory"),
+    verifier: str = typer.Option(..., "--verifier", help="verifier path or hub id"),
+    data: Path = typer.Option(..., "--data", help="chat JSONL (prompts are each conversation's first turns)"),
+    k: list[int] = typer.Option(..., "-k", help="speculative tokens per step (repeat for several)"),
+    prompts: int = typer.Option(16, "--prompts", min=1, help="how many prompts"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    seq_len: int = typer.Option(2048, "--seq-len", min=16, help="truncate conversations to this many tokens"),
+) -> None:
+    """Greedy speculative decoding with drafter + verifier; prints one JSON line per K."""
+    import tempfile
+
+    from peagle_core.data import PreparedDataset, prepare_dataset
+    from peagle_core.evaluate import evaluate, held_out_prompts
+    from peagle_core.model import PEagleDraftModel
+    from peagle_core.verifier import Verifier
+
+    v = Verifier.load(verifier)
+    model = PEagleDraftModel.from_pretrained(drafter).to(v.device)
+    with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
+        if data.is_dir():
+            ds = PreparedDataset.open(data)
+        else:
+            prepare_dataset(verifier, data, Path(tmp) / "data", seq_len=seq_len, max_samples=prompts * 4)
+            ds = PreparedDataset.open(Path(tmp) / "data")
+        items = held_out_prompts(ds, range(len(ds)), limit=prompts)
+    for kk in k:
+        r = evaluate(model, v, items, kk, max_new_tokens, v.tokenizer.eos_token_id)
+        typer.echo(json.dumps(r.to_dict()))
+
+
 def register(app: typer.Typer) -> None:
     """Add the `train` and `eval` commands to `app`."""
+    app.command("train")(train_command)
+    app.command("eval")(eval_command)

@@ -1,9 +1,284 @@
-"""`peagle` client-side commands."""
+"""`peagle jobs|checkpoints|datasets ...`: the HTTP client commands, plus registration of `up` and `demo`.
+
+Every API error is printed as one line (the API's message) with a non-zero exit, never a traceback.
+The key and URL come from `--key/--url`, `PEAGLE_API_KEY/PEAGLE_URL`, or the files `peagle up` writes.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
 import typer
+
+from service.client import ApiError, PeagleClient
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+# Written by `peagle up` into its data dir; used when neither --key nor PEAGLE_API_KEY is given.
+KEY_FILE = "api-key"
+URL_FILE = "url"
+
+UrlOpt = Annotated[
+    str | None, typer.Option("--url", envvar="PEAGLE_URL", help=f"API base URL [default: {DEFAULT_URL}].")
+]
+KeyOpt = Annotated[
+    str | None,
+    typer.Option("--key", envvar="PEAGLE_API_KEY", help="API key (bearer).", show_default=False),
+]
+
+jobs_app = typer.Typer(no_args_is_help=True, help="Submit, inspect, follow and cancel training jobs.")
+checkpoints_app = typer.Typer(no_args_is_help=True, help="List and download published checkpoints.")
+datasets_app = typer.Typer(no_args_is_help=True, help="Upload and list JSONL chat datasets.")
+
+
+def fail(message: str) -> NoReturn:
+    """Print `error: message` on stderr and exit 1.
+
+    SystemExit rather than typer.Exit: `peagle_core.cli.common.run_app` runs typer with
+    standalone_mode=False, where a typer.Exit becomes a return value and the status would be 0.
+    """
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    raise SystemExit(1)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to `app`."""
+    """Add the client command groups, `peagle up` and `peagle demo` to `app`."""
+    from service.cli import demo, up
+
+    app.add_typer(jobs_app, name="jobs")
+    app.add_typer(checkpoints_app, name="checkpoints")
+    app.add_typer(datasets_app, name="datasets")
+    up.register(app)
+    demo.register(app)
+
+
+def _local_data_dir() -> Path:
+    return Path(os.environ.get("PEAGLE_DATA_DIR", "./peagle-data"))
+
+
+def resolve_connection(url: str | None, key: str | None) -> tuple[str, str | None]:
+    """Explicit values win; else what a local `peagle up` wrote into its data dir; else the default URL."""
+    data_dir = _local_data_dir()
+    if url is None:
+        url_file = data_dir / URL_FILE
+        url = url_file.read_text().strip() if url_file.is_file() else DEFAULT_URL
+    if key is None:
+        key_file = data_dir / KEY_FILE
+        key = key_file.read_text().strip() if key_file.is_file() else None
+    return url, key
+
+
+@contextlib.contextmanager
+def connect(url: str | None, key: str | None) -> Iterator[PeagleClient]:
+    """A client whose API errors become one `error: ...` line and exit code 1."""
+    url, key = resolve_connection(url, key)
+    client = PeagleClient(url, key)
+    try:
+        yield client
+    except ApiError as exc:
+        hint = ""
+        if exc.status == 401 and key is None:
+            hint = " (no API key: pass --key or set PEAGLE_API_KEY)"
+        fail(f"{exc}{hint}")
+    finally:
+        client.close()
+
+
+def _echo_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cells = [[_cell(c, row.get(c)) for c in columns] for row in rows]
+    table = Table(box=None, pad_edge=False)
+    for i, c in enumerate(columns):
+        # Ids are what users copy into the next command: never wrap or elide them.
+        width = max((len(r[i]) for r in cells), default=0) if c == "id" else None
+        table.add_column(c, no_wrap=c == "id", min_width=width)
+    for r in cells:
+        table.add_row(*r)
+    Console().print(table)
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if column == "sha256":
+        return str(value)[:12]
+    if column.endswith("_at"):
+        return str(value)[:19].replace("T", " ")
+    if isinstance(value, dict | list):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def format_event(event: dict[str, Any]) -> str:
+    """One log line: time, level, type and message."""
+    when = str(event.get("created_at", ""))[:19].replace("T", " ")
+    level = str(event.get("level", "info")).upper()
+    return f"{when} {level:<7} {event.get('type', ''):<8} {event.get('message', '')}"
+
+
+# -- jobs ----------------------------------------------------------------------------------------
+
+
+@jobs_app.command("submit")
+def jobs_submit(
+    spec_file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON (see the README).")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Follow the job's events.")] = False,
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Retry-safe submit: the same key returns the same job.")
+    ] = None,
+    url: UrlOpt = None,
+    key: KeyOpt = None,
+) -> None:
+    """Validate SPEC_FILE locally (errors name the field or line), then create the job."""
+    from peagle_core.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as exc:
+        fail(exc.message)
+    with connect(url, key) as client:
+        job = client.create_job(
+            spec.model_dump(mode="json", exclude_unset=True), idempotency_key=idempotency_key
+        )
+        typer.echo(job["id"])
+        if follow:
+            _follow(client, job["id"])
+
+
+@jobs_app.command("list")
+def jobs_list(
+    status: Annotated[str | None, typer.Option(help="Only jobs with this status.")] = None,
+    limit: Annotated[int, typer.Option(help="At most this many (newest first).")] = 50,
+    url: UrlOpt = None,
+    key: KeyOpt = None,
+) -> None:
+    """List the project's jobs."""
+    with connect(url, key) as client:
+        rows = client.list_jobs(status=status, limit=limit).get("data", [])
+        _table(rows, ["id", "name", "status", "attempt", "created_at"])
+
+
+@jobs_app.command("get")
+def jobs_get(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+    """Print a job as JSON: status, timestamps, attempt, progress, error, resolved spec."""
+    with connect(url, key) as client:
+        _echo_json(client.get_job(job_id))
+
+
+@jobs_app.command("logs")
+def jobs_logs(
+    job_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+    url: UrlOpt = None,
+    key: KeyOpt = None,
+) -> None:
+    """Print the job's events (status changes, stages, logs, warnings)."""
+    with connect(url, key) as client:
+        if follow:
+            _follow(client, job_id)
+            return
+        after = None
+        while True:
+            page = client.job_events(job_id, after=after)
+            events = page.get("data", [])
+            for event in events:
+                typer.echo(format_event(event))
+            if not page.get("has_more") or not events:
+                break
+            after = events[-1]["id"]
+
+
+def _follow(client: PeagleClient, job_id: str) -> None:
+    for event in client.follow_events(job_id):
+        typer.echo(format_event(event))
+    job = client.get_job(job_id)
+    typer.echo(f"{job_id}: {job['status']}")
+    if job["status"] != "succeeded":
+        error = job.get("error") or {}
+        fail(f"job {job_id} {job['status']}" + (f": {error.get('message')}" if error else ""))
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+    """Ask a job to stop; a running job saves a checkpoint first."""
+    with connect(url, key) as client:
+        job = client.cancel_job(job_id)
+        typer.echo(f"{job_id}: {job.get('status')}")
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+    """List a job's published checkpoints."""
+    with connect(url, key) as client:
+        rows = client.list_checkpoints(job_id).get("data", [])
+        _table(rows, ["id", "step", "size", "sha256", "created_at"])
+
+
+@checkpoints_app.command("download")
+def checkpoints_download(
+    checkpoint_id: str,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the checkpoint into.")],
+    url: UrlOpt = None,
+    key: KeyOpt = None,
+) -> None:
+    """Download a checkpoint's files; an interrupted download resumes, every file is sha256-checked."""
+    with connect(url, key) as client:
+        download_with_progress(client, checkpoint_id, out)
+        typer.echo(str(out))
+
+
+def download_with_progress(client: PeagleClient, checkpoint_id: str, out: Path) -> Path:
+    """Download with a byte progress bar on stderr."""
+    from tqdm import tqdm
+
+    ckpt = client.get_checkpoint(checkpoint_id)
+    total = sum(int(f["size"]) for f in ckpt["files"])
+    # disable=None: no bar when stderr is not a terminal (logs, pipes).
+    with tqdm(total=total, unit="B", unit_scale=True, desc=checkpoint_id, leave=False, disable=None) as bar:
+        for f in ckpt["files"]:
+            client.download_file(
+                checkpoint_id,
+                f["name"],
+                out / f["name"],
+                sha256=f["sha256"],
+                size=f["size"],
+                on_bytes=bar.update,
+            )
+    return out
+
+
+# -- datasets ------------------------------------------------------------------------------------
+
+
+@datasets_app.command("upload")
+def datasets_upload(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A JSONL chat file.")],
+    name: Annotated[str | None, typer.Option(help="File name to record [default: FILE's name].")] = None,
+    url: UrlOpt = None,
+    key: KeyOpt = None,
+) -> None:
+    """Upload a dataset; prints its id (use it as dataset.id in a job spec)."""
+    with connect(url, key) as client:
+        ds = client.upload_dataset(file, filename=name)
+        typer.echo(ds["id"])
+
+
+@datasets_app.command("list")
+def datasets_list(url: UrlOpt = None, key: KeyOpt = None) -> None:
+    """List the project's datasets."""
+    with connect(url, key) as client:
+        rows = client.list_datasets().get("data", [])
+        _table(rows, ["id", "filename", "num_records", "size", "created_at"])

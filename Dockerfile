@@ -1,0 +1,36 @@
+# The peagle image: API, worker and CLI in one (the compose file picks the command).
+#
+# PyPI's Linux torch wheel already ships CUDA 12 kernels, so the default build runs on NVIDIA GPUs
+# (the host needs the NVIDIA driver + container toolkit). For a smaller CPU-only image:
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t peagle .
+# For another CUDA version use e.g. https://download.pytorch.org/whl/cu128.
+FROM python:3.11-slim
+
+ARG TORCH_INDEX_URL=""
+# Keep in step with pyproject.toml's torch pin.
+ARG TORCH_VERSION=2.13.0
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PEAGLE_DATA_DIR=/data
+
+WORKDIR /app
+
+# torch in its own cached layer, from the chosen index when one is given.
+COPY pyproject.toml README.md ./
+RUN if [ -n "$TORCH_INDEX_URL" ]; then \
+      pip install "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX_URL"; \
+    fi
+
+COPY peagle_core ./peagle_core
+COPY service ./service
+COPY worker ./worker
+COPY migrations ./migrations
+RUN pip install .
+
+RUN useradd --create-home --uid 1000 peagle && mkdir -p /data /models && chown -R peagle /data /models
+USER peagle
+
+EXPOSE 8000
+CMD ["peagle", "--help"]

@@ -1,0 +1,1 @@
+"""Alembic environment and versions for the peagle database (batch mode so SQLite can alter tables)."""

@@ -1,0 +1,207 @@
+"""JSONL readers for the three input formats (messages, ShareGPT, pre-tokenized) and their structural checks.
+
+Every row is normalised to a `Row`; every problem raises DataError naming the 1-based line number.
+No tokenizer is needed, so the service can validate an upload as it streams in.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from peagle_core.errors import DataError
+
+Format = Literal["messages", "sharegpt", "tokenized"]
+FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokenized")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+
+
+@dataclass
+class Row:
+    """One normalised sample: a conversation (`messages`) or pre-tokenized `input_ids` + `loss_mask`."""
+
+    line: int
+    messages: list[dict[str, str]] | None = None
+    input_ids: list[int] | None = None
+    loss_mask: list[int] | None = None
+
+
+@dataclass
+class ValidationReport:
+    """What `validate_jsonl` found: row count, detected format, assistant turns (0 for tokenized)."""
+
+    rows: int
+    format: Format
+    assistant_turns: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "format": self.format,
+            "assistant_turns": self.assistant_turns,
+        }
+
+
+def detect_format(obj: Any) -> Format | None:
+    """The format a parsed row looks like, or None."""
+    if not isinstance(obj, dict):
+        return None
+    if "messages" in obj:
+        return "messages"
+    if "conversations" in obj:
+        return "sharegpt"
+    if "input_ids" in obj:
+        return "tokenized"
+    return None
+
+
+def _turns(obj: dict[str, Any], fmt: Format, line: int) -> list[dict[str, str]]:
+    key, role_key, text_key = (
+        ("messages", "role", "content") if fmt == "messages" else ("conversations", "from", "value")
+    )
+    turns = obj.get(key)
+    if not isinstance(turns, list):
+        raise DataError(f"line {line}: '{key}' must be a list of turns", param=f"line {line}")
+    if not turns:
+        raise DataError(f"line {line}: empty conversation", param=f"line {line}")
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"line {line}: {key}[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(f"{where} must be an object", param=f"line {line}")
+        role = turn.get(role_key)
+        text = turn.get(text_key)
+        if not isinstance(role, str):
+            raise DataError(f"{where} has no '{role_key}' string", param=f"line {line}")
+        if fmt == "messages":
+            if role not in ROLES:
+                raise DataError(
+                    f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})", param=f"line {line}"
+                )
+        else:
+            if role.lower() not in SHAREGPT_ROLES:
+                raise DataError(
+                    f"{where}: unknown role {role!r} (expected one of {', '.join(sorted(SHAREGPT_ROLES))})",
+                    param=f"line {line}",
+                )
+            role = SHAREGPT_ROLES[role.lower()]
+        if not isinstance(text, str):
+            raise DataError(f"{where} has no '{text_key}' string", param=f"line {line}")
+        messages.append({"role": role, "content": text})
+    if all(m["role"] == "system" for m in messages):
+        raise DataError(f"line {line}: empty conversation (only system turns)", param=f"line {line}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"line {line}: no assistant turn, nothing to train on", param=f"line {line}")
+    return messages
+
+
+def _tokenized(obj: dict[str, Any], line: int) -> Row:
+    ids, mask = obj.get("input_ids"), obj.get("loss_mask")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise DataError(f"line {line}: 'input_ids' must be a list of integers", param=f"line {line}")
+    if not ids:
+        raise DataError(f"line {line}: empty 'input_ids'", param=f"line {line}")
+    if any(t < 0 for t in ids):
+        raise DataError(f"line {line}: 'input_ids' has a negative id", param=f"line {line}")
+    if mask is None:
+        raise DataError(f"line {line}: missing 'loss_mask'", param=f"line {line}")
+    if not isinstance(mask, list) or not all(m in (0, 1) and not isinstance(m, float) for m in mask):
+        raise DataError(f"line {line}: 'loss_mask' must be a list of 0/1", param=f"line {line}")
+    if len(mask) != len(ids):
+        raise DataError(
+            f"line {line}: 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}",
+            param=f"line {line}",
+        )
+    if not any(mask):
+        raise DataError(f"line {line}: 'loss_mask' is all zeros, nothing to train on", param=f"line {line}")
+    return Row(line=line, input_ids=[int(t) for t in ids], loss_mask=[int(m) for m in mask])
+
+
+def parse_row(obj: Any, fmt: Format, line: int) -> Row:
+    """Check one parsed JSON row against `fmt` and normalise it."""
+    seen = detect_format(obj)
+    if seen != fmt:
+        what = "not a JSON object" if not isinstance(obj, dict) else f"looks like {seen or 'no known format'}"
+        raise DataError(f"line {line}: expected a {fmt} row, {what}", param=f"line {line}")
+    if fmt == "tokenized":
+        return _tokenized(obj, line)
+    return Row(line=line, messages=_turns(obj, fmt, line))
+
+
+def _lines(source: str | Path | IO[bytes] | IO[str]) -> Iterator[tuple[int, str]]:
+    if isinstance(source, str | Path):
+        with open(source, "rb") as f:
+            yield from _lines(f)
+        return
+    for n, raw in enumerate(source, start=1):
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"line {n}: not valid UTF-8 ({exc.reason})", param=f"line {n}") from exc
+        yield n, raw
+
+
+def iter_rows(source: str | Path | IO[bytes] | IO[str], fmt: str = "auto") -> Iterator[tuple[Format, Row]]:
+    """Parse and check a JSONL source row by row; `auto` takes the format of the first row."""
+    if fmt not in FORMATS:
+        raise DataError(f"unknown data format {fmt!r} (expected one of {', '.join(FORMATS)})", param="format")
+    resolved: Format | None = None if fmt == "auto" else fmt  # type: ignore[assignment]
+    for n, text in _lines(source):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"line {n}: malformed JSON ({exc.msg} at column {exc.colno})", param=f"line {n}") from exc
+        if resolved is None:
+            resolved = detect_format(obj)
+            if resolved is None:
+                raise DataError(
+                    f"line {n}: cannot detect the format: expected a 'messages', 'conversations' or "
+                    "'input_ids' key",
+                    param=f"line {n}",
+                )
+        yield resolved, parse_row(obj, resolved, n)
+
+
+def validate_jsonl(source: str | Path | IO[bytes] | IO[str] | bytes, fmt: str = "auto") -> ValidationReport:
+    """Check a JSONL dataset's structure without a tokenizer; raises DataError naming the first bad line."""
+    if isinstance(source, bytes):
+        source = io.BytesIO(source)
+    rows = assistant = 0
+    resolved: Format | None = None
+    for resolved, row in iter_rows(source, fmt):
+        rows += 1
+        if row.messages is not None:
+            assistant += sum(m["role"] == "assistant" for m in row.messages)
+    if rows == 0 or resolved is None:
+        raise DataError("the dataset has no rows", param="data")
+    return ValidationReport(rows=rows, format=resolved, assistant_turns=assistant)
+
+
+def read_rows(source: str | Path, fmt: str = "auto", max_rows: int | None = None) -> tuple[Format, list[Row]]:
+    """All rows of a JSONL file (the first `max_rows`), and its format."""
+    rows: list[Row] = []
+    resolved: Format | None = None
+    for resolved, row in iter_rows(source, fmt):
+        rows.append(row)
+        if max_rows is not None and len(rows) >= max_rows:
+            break
+    if not rows or resolved is None:
+        raise DataError(f"{source}: the dataset has no rows", param="data")
+    return resolved, rows

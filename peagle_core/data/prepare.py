@@ -1,0 +1,244 @@
+"""Data preparation: JSONL chat data -> tokenized, loss-masked, truncated samples plus a draft vocabulary.
+
+`prepare_dataset` writes the prepared-dataset directory of docs/interfaces.md atomically;
+`PreparedDataset.open` reads it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from peagle_core.data.chat import tokenize_conversation
+from peagle_core.data.formats import read_rows
+from peagle_core.data.vocab import build_draft_vocab, token_counts
+from peagle_core.errors import DataError, VerifierError
+from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TOKENS = "tokens.safetensors"
+VOCAB = "vocab.safetensors"
+MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>")
+# Aligned index t trains on token t+2 (docs/interfaces.md), so the first two tokens never count.
+_UNTRAINABLE_PREFIX = 2
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 over the tokenizer's full definition, special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    h.update(json.dumps(tokenizer.chat_template, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def find_mask_token_id(tokenizer: Any, vocab_size: int, verifier_dir: Path | None = None) -> int:
+    """The token P-EAGLE feeds at mask depths.
+
+    In order: `mask_token_id` recorded in a toy verifier's `toy_verifier.json`, the tokenizer's mask
+    token, a known mask/reserved token, an embedding row beyond the tokenizer (unused by any text),
+    then the pad token.
+    """
+    if verifier_dir is not None and (verifier_dir / "toy_verifier.json").is_file():
+        return int(json.loads((verifier_dir / "toy_verifier.json").read_text())["mask_token_id"])
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    vocab = tokenizer.get_vocab()
+    for token in MASK_TOKEN_CANDIDATES:
+        if token in vocab:
+            return int(vocab[token])
+    if len(tokenizer) < vocab_size:
+        return vocab_size - 1
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    raise VerifierError(
+        "cannot choose a mask token: the tokenizer has no mask, reserved or pad token",
+        code="verifier_unsupported",
+    )
+
+
+def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoTokenizer
+
+    local = Path(verifier).expanduser()
+    if verifier.startswith(("/", ".", "~")) and not local.is_dir():
+        raise VerifierError(f"verifier path {verifier!r} does not exist", code="verifier_not_found")
+    name = str(local) if local.is_dir() else verifier
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise VerifierError(f"cannot load the tokenizer of verifier {verifier!r}: {exc}") from exc
+    if not tokenizer.chat_template:
+        log.warning("verifier %s has no chat template; only pre-tokenized data can be prepared", verifier)
+    return tokenizer, config.get_text_config(), (local if local.is_dir() else None)
+
+
+def prepare_dataset(
+    verifier_path: str | Path,
+    data_path: str | Path,
+    out_dir: str | Path,
+    seq_len: int,
+    fmt: str = "auto",
+    max_samples: int | None = None,
+    draft_vocab_size: int | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreparedDataset:
+    """Tokenize, mask and truncate a JSONL dataset with the verifier's tokenizer; write it to `out_dir`.
+
+    Raises DataError naming the line for any bad row (including one with no trainable token left after
+    truncation), before anything is written.
+    """
+    if seq_len < _UNTRAINABLE_PREFIX + 1:
+        raise DataError(f"seq_len must be >= {_UNTRAINABLE_PREFIX + 1}, got {seq_len}", param="seq_len")
+    data_path = Path(data_path)
+    if not data_path.is_file():
+        raise DataError(f"dataset file {str(data_path)!r} does not exist", code="dataset_not_found", param="data")
+    tokenizer, config, verifier_dir = _load_tokenizer_and_config(str(verifier_path), revision, trust_remote_code)
+    vocab_size = int(config.vocab_size)
+    source_format, rows = read_rows(data_path, fmt, max_samples)
+
+    all_ids: list[torch.Tensor] = []
+    all_masks: list[torch.Tensor] = []
+    for row in rows:
+        if row.messages is not None:
+            ids, mask = tokenize_conversation(tokenizer, row.messages, line=row.line)
+        else:
+            ids, mask = row.input_ids, row.loss_mask
+            too_big = [t for t in ids if t >= vocab_size]
+            if too_big:
+                raise DataError(
+                    f"line {row.line}: token id {too_big[0]} is outside the verifier's vocabulary ({vocab_size})",
+                    param=f"line {row.line}",
+                )
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if not any(mask[_UNTRAINABLE_PREFIX:]):
+            raise DataError(
+                f"line {row.line}: no assistant token left to train on within seq_len={seq_len} "
+                f"({len(ids)} tokens kept); raise seq_len or shorten the prompt",
+                param=f"line {row.line}",
+            )
+        all_ids.append(torch.tensor(ids, dtype=torch.int32))
+        all_masks.append(torch.tensor(mask, dtype=torch.uint8))
+
+    input_ids = torch.cat(all_ids)
+    loss_mask = torch.cat(all_masks)
+    num_loss = int(loss_mask.sum())
+    if num_loss == 0:  # unreachable through the per-row check; kept as the last guard before GPU time
+        raise DataError("the dataset has no trainable (assistant) token", param="data")
+    lengths = torch.tensor([0] + [len(t) for t in all_ids], dtype=torch.int64)
+    offsets = torch.cumsum(lengths, 0)
+
+    d2t, t2d = build_draft_vocab(token_counts(input_ids, loss_mask, vocab_size), draft_vocab_size)
+    covered = float(t2d[input_ids[loss_mask.bool()].long()].float().mean())
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    source_sha = sha256_file(data_path)
+    fp = hashlib.sha256(
+        json.dumps([tok_fp, source_sha, seq_len, source_format, max_samples]).encode()
+    ).hexdigest()
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "num_samples": len(all_ids),
+        "num_tokens": int(input_ids.numel()),
+        "num_loss_tokens": num_loss,
+        "seq_len": seq_len,
+        "max_samples": max_samples,
+        "source_format": source_format,
+        "source_path": str(data_path),
+        "source_sha256": source_sha,
+        "tokenizer_fingerprint": tok_fp,
+        "fingerprint": fp,
+        "verifier_name_or_path": str(verifier_path),
+        "verifier_vocab_size": vocab_size,
+        "draft_vocab_size": int(d2t.numel()),
+        "draft_vocab_coverage": round(covered, 6),
+        "mask_token_id": find_mask_token_id(tokenizer, vocab_size, verifier_dir),
+    }
+    with atomic_dir(out_dir) as tmp:
+        save_file({"input_ids": input_ids, "loss_mask": loss_mask, "offsets": offsets}, str(tmp / TOKENS))
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp / VOCAB))
+        atomic_write_json(tmp / MANIFEST, manifest)
+    return PreparedDataset.open(out_dir)
+
+
+class PreparedDataset:
+    """A prepared dataset directory, held in memory: samples are unaligned `(input_ids, loss_mask)`."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], tokens: dict[str, torch.Tensor], vocab: dict[str, torch.Tensor]):
+        self.path = path
+        self.manifest = manifest
+        self._input_ids = tokens["input_ids"]
+        self._loss_mask = tokens["loss_mask"]
+        self._offsets = tokens["offsets"]
+        self.d2t: torch.Tensor = vocab["d2t"]
+        self.t2d: torch.Tensor = vocab["t2d"]
+        self.lengths: list[int] = (self._offsets[1:] - self._offsets[:-1]).tolist()
+
+    @classmethod
+    def open(cls, path: str | Path) -> PreparedDataset:
+        """Read a directory written by `prepare_dataset`; DataError if it is missing or inconsistent."""
+        path = Path(path)
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+            tokens = load_file(str(path / TOKENS))
+            vocab = load_file(str(path / VOCAB))
+        except (OSError, json.JSONDecodeError, SafetensorError) as exc:
+            raise DataError(f"{path}: not a readable prepared dataset ({exc})", code="dataset_corrupt") from exc
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise DataError(
+                f"{path}: prepared-dataset format {manifest.get('format_version')} is not {FORMAT_VERSION}",
+                code="dataset_corrupt",
+            )
+        offsets = tokens.get("offsets")
+        if (
+            offsets is None
+            or offsets.numel() != manifest["num_samples"] + 1
+            or int(offsets[-1]) != tokens["input_ids"].numel()
+            or tokens["loss_mask"].numel() != tokens["input_ids"].numel()
+        ):
+            raise DataError(f"{path}: tokens do not match the manifest", code="dataset_corrupt")
+        return cls(path, manifest, tokens, vocab)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        s, e = int(self._offsets[i]), int(self._offsets[i + 1])
+        return self._input_ids[s:e].long(), self._loss_mask[s:e].long()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def mask_token_id(self) -> int:
+        return int(self.manifest["mask_token_id"])
+
+    def split(self, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+        """Seeded `(train_indices, val_indices)`, each sorted; both non-empty when 0 < fraction and n >= 2."""
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError("val_fraction must be in [0, 1)")
+        n = len(self)
+        n_val = round(n * val_fraction)
+        if val_fraction > 0 and n >= 2:
+            n_val = min(max(n_val, 1), n - 1)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        return sorted(perm[n_val:]), sorted(perm[:n_val])

@@ -1,0 +1,58 @@
+"""Sequence partitioning for long contexts: one packed sequence's COD rows trained in S anchor segments.
+
+COD is sampled once; each segment runs forward + backward on its own rows (recomputing, with grad, the
+depth-0 keys its queries need) so only one segment's activations are alive at a time. Loss weights use
+the whole sequence's per-depth counts, so the accumulated gradient equals the unpartitioned step's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from peagle_core.cod import sample_cod_indices
+
+
+def partitioned_backward(
+    model: torch.nn.Module,
+    batch: Any,
+    num_segments: int,
+    generator: torch.Generator | None = None,
+    scale: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """Forward + backward of one packed batch in `num_segments` segments; gradients accumulate in
+    `.grad` (scaled by `scale`). Returns the batch's metrics summed over segments (loss, acc_{d},
+    positions_{d} as for one unpartitioned forward)."""
+    if num_segments < 1:
+        raise ValueError(f"num_segments must be >= 1, got {num_segments}")
+    core = getattr(model, "module", model)  # DDP wraps the drafter
+    cfg = core.config
+    seq_len = batch.input_ids.shape[1]
+    cod = sample_cod_indices(
+        seq_len,
+        batch.loss_mask[0] * (batch.document_ids[0] >= 0),
+        cfg.num_depths,
+        cfg.down_sample_ratio,
+        cfg.down_sample_ratio_min,
+        cfg.max_anchors,
+        generator=generator,
+        document_ids=batch.document_ids[0],
+    )
+    segments = min(num_segments, seq_len)
+    totals: dict[str, torch.Tensor] = {}
+    for s in range(segments):
+        out = model(
+            batch.hidden_states,
+            batch.input_ids,
+            batch.verifier_last_hidden_states,
+            batch.loss_mask,
+            batch.document_ids,
+            position_ids=batch.position_ids,
+            cod=cod,
+            segment=(s, segments) if segments > 1 else None,
+        )
+        (out.loss * scale).backward()
+        for key, value in out.metrics.items():
+            totals[key] = totals.get(key, 0) + value.detach()
+    return totals

@@ -1,0 +1,201 @@
+"""The verifier runner: loads any HF causal LM and returns the hidden states and logits the drafter learns from.
+
+`aux` is the concatenation of three decoder-layer inputs (HF `hidden_states[i]`, the layers vLLM captures);
+`last` is the last decoder layer's output *before* the final norm, taken with a pre-hook on that norm
+because HF's `hidden_states[-1]` is already normed in some versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from peagle_core.errors import VerifierError
+from peagle_core.spec import default_layer_ids
+
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+_DTYPES["float16"] = _DTYPES["fp16"] = "float16"
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
+
+
+def _find_attr(module: Any, names: tuple[str, ...], what: str) -> Any:
+    for name in names:
+        found = getattr(module, name, None)
+        if found is not None:
+            return found
+    raise VerifierError(f"cannot find the verifier's {what} (looked for {', '.join(names)})")
+
+
+class Verifier:
+    """A loaded verifier model (eval mode, no grad) plus its tokenizer; see docs/interfaces.md."""
+
+    def __init__(self, model: Any, tokenizer: Any, name_or_path: str, layer_ids: list[int] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path
+        self.config = model.config
+        text_config = self.config.get_text_config()
+        self.hidden_size: int = text_config.hidden_size
+        self.vocab_size: int = text_config.vocab_size
+        self.num_layers: int = text_config.num_hidden_layers
+        try:
+            self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
+        except ValueError as exc:
+            raise VerifierError(str(exc), code="verifier_unsupported") from exc
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if len(self.layer_ids) != 3 or bad:
+            raise VerifierError(
+                f"layer_ids {self.layer_ids} must be 3 ids in [0, {self.num_layers - 1}]",
+                code="verifier_unsupported",
+                param="verifier.layer_ids",
+            )
+        self.calls = 0
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.final_norm = _find_attr(decoder, ("norm", "final_layernorm", "ln_f"), "final norm")
+        self._captured_last: torch.Tensor | None = None
+        self.final_norm.register_forward_pre_hook(self._capture_norm_input)
+
+    # ------------------------------------------------------------ loading
+
+    @classmethod
+    def load(
+        cls,
+        name_or_path: str,
+        revision: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        layer_ids: list[int] | None = None,
+        trust_remote_code: bool = False,
+    ) -> Verifier:
+        """Load by local path or hub id through the same `from_pretrained` call.
+
+        Raises VerifierError `verifier_not_found` (no such path or repo) or `verifier_unavailable`
+        (anything else, e.g. no network for a hub id or an unsupported architecture).
+        """
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        if _looks_like_path(name_or_path) and not Path(name_or_path).expanduser().is_dir():
+            raise VerifierError(
+                f"verifier path {name_or_path!r} does not exist",
+                code="verifier_not_found",
+                param="verifier.name_or_path",
+            )
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            torch_dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        elif dtype in _DTYPES:
+            torch_dtype = getattr(torch, _DTYPES[dtype])
+        else:
+            raise VerifierError(f"unknown verifier dtype {dtype!r}", param="verifier.dtype")
+        path = str(Path(name_or_path).expanduser()) if _looks_like_path(name_or_path) else name_or_path
+        try:
+            # the config first: a small file, so an unreachable hub fails once instead of per file
+            config = AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(
+                path, revision=revision, trust_remote_code=trust_remote_code
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=config, revision=revision, trust_remote_code=trust_remote_code, dtype=torch_dtype
+            )
+        except (OSError, ValueError, KeyError, ImportError) as exc:
+            text = str(exc)
+            not_found = any(
+                s in text
+                for s in ("is not a local folder", "not a valid model identifier", "Repository Not Found")
+            )
+            raise VerifierError(
+                f"cannot load verifier {name_or_path!r}: {text.splitlines()[0] if text else type(exc).__name__}",
+                code="verifier_not_found" if not_found else "verifier_unavailable",
+                param="verifier.name_or_path",
+            ) from exc
+        model.to(device).eval().requires_grad_(False)
+        return cls(model, tokenizer, name_or_path, layer_ids)
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection `[V, H]` (shared with the embedding when tied)."""
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The input embedding `[V, H]`, used to initialise the drafter's embeddings."""
+        return self.model.get_input_embeddings().weight
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 over the config JSON and every weight tensor's name, dtype, shape and bytes."""
+        import torch
+
+        h = hashlib.sha256()
+        config = self.config.to_dict()
+        config.pop("transformers_version", None)
+        h.update(json.dumps(config, sort_keys=True, default=str).encode())
+        for name, tensor in sorted(self.model.state_dict().items()):
+            t = tensor.detach().to("cpu").contiguous()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.hexdigest()
+
+    # ------------------------------------------------------------ forward passes
+
+    def _capture_norm_input(self, _module: Any, args: tuple[Any, ...]) -> None:
+        self._captured_last = args[0]
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, want_logits: bool):
+        import torch
+
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        self.calls += 1
+        self._captured_last = None
+        with torch.inference_mode():
+            if want_logits:
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+                logits = out.logits
+            else:
+                # the base model alone: skips the lm_head, which is the largest matmul for big vocabularies
+                decoder = self.model.get_decoder()
+                out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+                logits = None
+            aux = torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
+            last = self._captured_last
+            self._captured_last = None
+        if last is None:
+            raise VerifierError("the verifier's final norm was not called; unsupported architecture")
+        return logits, aux, last
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(aux [B,T,3H], last [B,T,H])` for a batch; `last` is the final norm's input."""
+        _, aux, last = self._forward(input_ids, attention_mask, want_logits=False)
+        return aux, last
+
+    def logits(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits [B,T,V], aux [B,T,3H])` for a batch, for evaluation."""
+        logits, aux, _ = self._forward(input_ids, attention_mask, want_logits=True)
+        return logits, aux

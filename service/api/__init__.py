@@ -1,0 +1,1 @@
+"""The HTTP layer: dependencies, error envelope, schemas and routes (FastAPI)."""

@@ -1,0 +1,171 @@
+"""The one error envelope `{"error": {type, code, message, param}}` and the handlers that produce it.
+
+Every 4xx/5xx leaves the API in this shape: our own ApiError, FastAPI/Starlette HTTP errors (404 unknown
+route, 405), request validation (422 naming the field), PeagleError (422), a database or Redis outage
+(503) and anything unexpected (500, logged, no traceback in the response).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from peagle_core.errors import PeagleError
+
+log = logging.getLogger("peagle.api")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    416: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "service_unavailable",
+}
+_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    416: "range_not_satisfiable",
+    422: "invalid_request",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error answered with the envelope; raise it from routes and dependencies."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code or _CODES.get(status, "error")
+        self.param = param
+        self.headers = headers
+
+
+def not_found(kind: str, ident: str) -> ApiError:
+    return ApiError(404, f"no {kind} with id {ident!r}", code=f"{kind}_not_found")
+
+
+def envelope(
+    status: int, message: str, *, code: str | None = None, param: str | None = None, type_: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "type": type_ or _TYPES.get(status, "api_error"),
+            "code": code or _CODES.get(status, "error"),
+            "message": message,
+            "param": param,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    type_: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        envelope(status, message, code=code, param=param, type_=type_), status_code=status, headers=headers
+    )
+
+
+def _loc_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    # ("body", "spec", "training", "lr") -> "spec.training.lr"; ("query", "limit") -> "limit".
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    parts = [p for p in parts if not p.startswith("function-")]
+    return ".".join(parts) or None
+
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.message, code=exc.code, param=exc.param, headers=exc.headers)
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else "request failed"
+    if exc.status_code == 404 and message == "Not Found":
+        message = "no such route"
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    details = []
+    for err in errors:
+        param = _loc_param(err.get("loc", ()))
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        details.append(f"{param}: {msg}" if param else msg)
+    first = _loc_param(errors[0].get("loc", ())) if errors else None
+    return error_response(422, "; ".join(details) or "invalid request", code="invalid_request", param=first)
+
+
+async def _peagle_error(_: Request, exc: PeagleError) -> JSONResponse:
+    return error_response(422, exc.message, code=exc.code, param=exc.param)
+
+
+async def _db_error(request: Request, exc: Exception) -> JSONResponse:
+    # Connection-level failures (server down, pool exhausted) are an outage; anything else is our bug.
+    outage = isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or getattr(
+        exc, "connection_invalidated", False
+    )
+    if not outage:
+        return await _unhandled(request, exc)
+    log.warning("database unavailable: %s", exc.__class__.__name__)
+    return error_response(503, "the database is unavailable; retry later", code="database_unavailable")
+
+
+async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("redis unavailable: %s", exc.__class__.__name__)
+    return error_response(503, "the job queue is unavailable; retry later", code="queue_unavailable")
+
+
+async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(500, "internal server error", code="internal_error", type_="api_error")
+
+
+def install(app: FastAPI) -> None:
+    """Register every handler on `app`."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(PeagleError, _peagle_error)
+    for exc_type in (DBAPIError, PoolTimeoutError):
+        app.add_exception_handler(exc_type, _db_error)
+    for exc_type in (RedisConnectionError, RedisTimeoutError):
+        app.add_exception_handler(exc_type, _redis_down)
+    app.add_exception_handler(Exception, _unhandled)

@@ -1,0 +1,1 @@
+"""REST routes under /v1 plus health and metrics."""

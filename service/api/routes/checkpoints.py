@@ -1,0 +1,179 @@
+"""/v1/checkpoints: inspect, download the directory as a tar stream, or one file with HTTP Range."""
+
+from __future__ import annotations
+
+import base64
+import mimetypes
+import re
+import tarfile
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import StreamingResponse
+
+from service.api import schemas
+from service.api.deps import DB, CurrentProject
+from service.api.errors import ApiError, not_found
+from service.crud.checkpoints import get_checkpoint
+from service.db.models import Checkpoint
+
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
+
+_ERRORS = {401: {"model": schemas.ErrorEnvelope}, 404: {"model": schemas.ErrorEnvelope}}
+_BLOCK = tarfile.BLOCKSIZE
+_RECORD = tarfile.RECORDSIZE
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def _checkpoint_or_404(db: DB, project_id: str, checkpoint_id: str) -> Checkpoint:
+    row = get_checkpoint(db, project_id, checkpoint_id)
+    if row is None:
+        raise not_found("checkpoint", checkpoint_id)
+    return row
+
+
+@router.get(
+    "/{checkpoint_id}", response_model=schemas.Checkpoint, responses=_ERRORS, summary="Inspect a checkpoint"
+)
+def checkpoint(checkpoint_id: str, db: DB, project: CurrentProject) -> schemas.Checkpoint:
+    return schemas.Checkpoint.model_validate(_checkpoint_or_404(db, project.id, checkpoint_id))
+
+
+def _tar_plan(ckpt: Checkpoint) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
+    """Tar headers for every file (under a top directory named after the checkpoint) and the total size."""
+    plan, total = [], 0
+    for f in sorted(ckpt.files, key=lambda f: f["name"]):
+        info = tarfile.TarInfo(f"{ckpt.id}/{f['name']}")
+        info.size = int(f["size"])
+        info.mode = 0o644
+        info.mtime = int(ckpt.created_at.timestamp())
+        header = info.tobuf(format=tarfile.PAX_FORMAT)
+        plan.append((header, f))
+        total += len(header) + -(-info.size // _BLOCK) * _BLOCK
+    total += 2 * _BLOCK
+    total += -total % _RECORD
+    return plan, total
+
+
+def _tar_stream(
+    store: Any, key: str, plan: list[tuple[bytes, dict[str, Any]]], total: int
+) -> Iterator[bytes]:
+    # Built on the fly: headers are computed up front, file bodies streamed from the store in chunks.
+    sent = 0
+    for header, f in plan:
+        yield header
+        sent += len(header)
+        size = 0
+        for block in store.iter_range(f"{key}/{f['name']}"):
+            size += len(block)
+            yield block
+        if size != int(f["size"]):
+            # A truncated member would corrupt the archive silently; abort the stream instead.
+            raise RuntimeError(f"checkpoint file {f['name']} changed size in the store")
+        pad = -size % _BLOCK
+        sent += size + pad
+        if pad:
+            yield b"\0" * pad
+    yield b"\0" * (total - sent)
+
+
+@router.get(
+    "/{checkpoint_id}/archive",
+    responses={
+        **_ERRORS,
+        200: {"content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}},
+    },
+    response_class=StreamingResponse,
+    summary="Download the checkpoint directory as a tar stream",
+)
+def archive(checkpoint_id: str, request: Request, db: DB, project: CurrentProject) -> StreamingResponse:
+    ckpt = _checkpoint_or_404(db, project.id, checkpoint_id)
+    plan, total = _tar_plan(ckpt)
+    return StreamingResponse(
+        _tar_stream(request.app.state.store(), ckpt.uri, plan, total),
+        media_type="application/x-tar",
+        headers={
+            "Content-Length": str(total),
+            "Content-Disposition": f'attachment; filename="{ckpt.id}.tar"',
+            "X-Checkpoint-Sha256": ckpt.sha256,
+        },
+    )
+
+
+def parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """(start, end exclusive) of a single `bytes=` range; None means serve the whole file.
+
+    Raises ApiError 416 for a syntactically valid range that lies outside the file.
+    """
+    m = _RANGE.match(header.strip())
+    if m is None:
+        return None  # multiple ranges or another unit: ignoring Range is allowed (RFC 9110 §14.2)
+    first, last = m.groups()
+    if not first and not last:
+        return None
+    if not first:  # suffix: the last N bytes
+        n = int(last)
+        if n == 0 or size == 0:
+            raise _unsatisfiable(size)
+        return max(0, size - n), size
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    if start >= size or (last and int(last) < start):
+        raise _unsatisfiable(size)
+    return start, end + 1
+
+
+def _unsatisfiable(size: int) -> ApiError:
+    return ApiError(
+        416, f"range not satisfiable: the file has {size} bytes", headers={"Content-Range": f"bytes */{size}"}
+    )
+
+
+@router.get(
+    "/{checkpoint_id}/files/{name}",
+    responses={
+        **_ERRORS,
+        200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        206: {"description": "Partial content (single byte range)."},
+        416: {"model": schemas.ErrorEnvelope},
+    },
+    response_class=StreamingResponse,
+    summary="Download one checkpoint file (HTTP Range supported)",
+)
+def file(
+    checkpoint_id: str,
+    name: str,
+    request: Request,
+    db: DB,
+    project: CurrentProject,
+    range: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> StreamingResponse:
+    ckpt = _checkpoint_or_404(db, project.id, checkpoint_id)
+    # Only names in the recorded file list are served, so `..` or absolute paths never reach the store.
+    entry = next((f for f in ckpt.files if f["name"] == name), None)
+    if entry is None:
+        raise ApiError(404, f"checkpoint {ckpt.id} has no file {name!r}", code="file_not_found")
+    size = int(entry["size"])
+    digest = base64.b64encode(bytes.fromhex(entry["sha256"])).decode()
+    headers = {
+        "Accept-Ranges": "bytes",
+        "ETag": f'"{entry["sha256"]}"',
+        "X-Checksum-Sha256": entry["sha256"],
+        "Repr-Digest": f"sha-256=:{digest}:",
+    }
+    span = parse_range(range, size) if range else None
+    if span is not None and request.headers.get("if-range") not in (None, headers["ETag"]):
+        span = None  # the client's copy is stale: send the whole file
+    media = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    store = request.app.state.store()
+    key = f"{ckpt.uri}/{name}"
+    if span is None:
+        headers["Content-Length"] = str(size)
+        return StreamingResponse(store.iter_range(key, 0, None), media_type=media, headers=headers)
+    start, end = span
+    headers["Content-Length"] = str(end - start)
+    headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+    return StreamingResponse(
+        store.iter_range(key, start, end), status_code=206, media_type=media, headers=headers
+    )

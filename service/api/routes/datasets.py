@@ -1,0 +1,143 @@
+"""/v1/datasets: upload a JSONL dataset (streamed, size-capped, validated, checksummed), list, inspect."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+
+from peagle_core.errors import DataError
+from service.api import schemas
+from service.api.deps import DB, AppSettings, CurrentProject
+from service.api.errors import ApiError, not_found
+from service.api.upload import spool_multipart_file
+from service.crud import datasets as crud
+from service.db.models import Dataset, new_id, utcnow
+
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+
+_ERRORS = {401: {"model": schemas.ErrorEnvelope}, 404: {"model": schemas.ErrorEnvelope}}
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "JSONL data"}
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while block := f.read(size):
+            yield block
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=schemas.Dataset,
+    responses={
+        **_ERRORS,
+        413: {"model": schemas.ErrorEnvelope},
+        415: {"model": schemas.ErrorEnvelope},
+        422: {"model": schemas.ErrorEnvelope},
+    },
+    openapi_extra=_UPLOAD_BODY,
+    summary="Upload a JSONL dataset",
+    description="multipart/form-data with a `file` field holding JSONL chat data (`messages` or ShareGPT "
+    "`conversations`, or pre-tokenized). Larger than the service's cap: 413. Structurally invalid: 422 "
+    "naming the line.",
+)
+async def upload_dataset(
+    request: Request,
+    db: DB,
+    settings: AppSettings,
+    project: CurrentProject,
+    format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
+) -> schemas.Dataset:
+    spool_dir = Path(settings.data_dir) / "tmp"
+    spool_dir.mkdir(parents=True, exist_ok=True)
+    spooled = await spool_multipart_file(
+        request, "file", spool_dir / f"upload-{uuid.uuid4().hex}", settings.max_upload_bytes
+    )
+    try:
+        row = await run_in_threadpool(_store_and_record, request, db, project.id, spooled, format)
+    finally:
+        with contextlib.suppress(OSError):
+            spooled.path.unlink()
+    return schemas.Dataset.model_validate(row)
+
+
+def _store_and_record(request: Request, db: DB, project_id: str, spooled, fmt: str) -> Dataset:
+    from peagle_core.data import validate_jsonl
+
+    try:
+        report = validate_jsonl(spooled.path, fmt=fmt)
+    except DataError as exc:
+        raise ApiError(422, exc.message, code=exc.code, param="file") from None
+    dataset_id = new_id("ds")
+    key = f"datasets/{dataset_id}/data.jsonl"
+    store = request.app.state.store()
+    sha, size = store.write_stream(key, _chunks(spooled.path))
+    if sha != spooled.sha256 or size != spooled.size:
+        store.delete(key)
+        raise ApiError(500, "stored dataset failed its checksum", code="checksum_mismatch")
+    row = Dataset(
+        id=dataset_id,
+        project_id=project_id,
+        filename=spooled.filename or "data.jsonl",
+        uri=key,
+        sha256=sha,
+        size=size,
+        num_records=report.rows,
+        format=str(report.format),
+        created_at=utcnow(),
+    )
+    db.add(row)
+    try:
+        db.commit()
+    except BaseException:
+        db.rollback()
+        store.delete(key)
+        raise
+    return row
+
+
+@router.get("", response_model=schemas.DatasetList, responses=_ERRORS, summary="List datasets, newest first")
+def list_datasets(
+    db: DB,
+    project: CurrentProject,
+    after: Annotated[str | None, Query(max_length=64, description="Cursor: a dataset id.")] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> schemas.DatasetList:
+    page = crud.list_datasets(db, project.id, after=after, limit=limit)
+    if page is None:
+        raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
+    rows, has_more = page
+    return schemas.DatasetList(
+        data=[schemas.Dataset.model_validate(d) for d in rows],
+        has_more=has_more,
+        next_cursor=rows[-1].id if has_more else None,
+    )
+
+
+@router.get("/{dataset_id}", response_model=schemas.Dataset, responses=_ERRORS, summary="Inspect a dataset")
+def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dataset:
+    row = crud.get_dataset(db, project.id, dataset_id)
+    if row is None:
+        raise not_found("dataset", dataset_id)
+    return schemas.Dataset.model_validate(row)

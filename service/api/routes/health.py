@@ -1,0 +1,56 @@
+"""Liveness, readiness (database and Redis reachable) and Prometheus metrics; no auth."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from service.api import schemas
+from service.api.errors import error_response
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=schemas.Health, summary="Liveness")
+def healthz() -> schemas.Health:
+    return schemas.Health()
+
+
+def _check(request: Request) -> tuple[str, str] | None:
+    try:
+        with request.app.state.sessions() as db:
+            db.execute(text("SELECT 1"))
+    except Exception as exc:
+        return "database_unavailable", f"the database is unreachable ({exc.__class__.__name__})"
+    try:
+        request.app.state.redis.ping()
+    except Exception as exc:
+        return "queue_unavailable", f"redis is unreachable ({exc.__class__.__name__})"
+    return None
+
+
+@router.get(
+    "/readyz",
+    response_model=schemas.Readiness,
+    responses={503: {"model": schemas.ErrorEnvelope}},
+    summary="Readiness: the database and Redis answer",
+)
+async def readyz(request: Request) -> schemas.Readiness | JSONResponse:
+    problem = await run_in_threadpool(_check, request)
+    if problem is not None:
+        return error_response(503, problem[1], code=problem[0])
+    return schemas.Readiness()
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    summary="Prometheus metrics",
+)
+async def metrics(request: Request) -> Response:
+    body = await run_in_threadpool(generate_latest, request.app.state.metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,307 @@
+"""/v1/jobs: create (validated, idempotent, enqueued), list, inspect, cancel, events (SSE), metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from redis.exceptions import RedisError
+from sqlalchemy.exc import IntegrityError
+
+from service.api import schemas
+from service.api.deps import DB, AppSettings, CurrentProject
+from service.api.errors import ApiError, not_found
+from service.crud import datasets as datasets_crud
+from service.crud import events as events_crud
+from service.crud import idempotency
+from service.crud import jobs as jobs_crud
+from service.crud import metrics as metrics_crud
+from service.db import jobstate
+from service.db.models import Job
+from service.paths import check_spec_paths
+from service.queue import enqueue_run
+
+log = logging.getLogger("peagle.api")
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_ERRORS = {
+    401: {"model": schemas.ErrorEnvelope},
+    404: {"model": schemas.ErrorEnvelope},
+    422: {"model": schemas.ErrorEnvelope},
+}
+
+
+def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
+    job = jobs_crud.get_job(db, project_id, job_id)
+    if job is None:
+        raise not_found("job", job_id)
+    return job
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=schemas.Job,
+    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    summary="Create a training job",
+    description='Body: `{"spec": JobSpec}`. The spec is validated (errors name the field, e.g. '
+    "`spec.training.lr`), server paths are checked against the allowed roots, and the job is stored as "
+    "`queued` before it is enqueued. The response carries the resolved spec (defaults filled in). "
+    "With `Idempotency-Key`, a repeat of the same body returns the original job "
+    "(`Idempotent-Replayed: true`); the same key with another body is a 409.",
+)
+def create_job(
+    body: schemas.CreateJobRequest,
+    request: Request,
+    response: Response,
+    db: DB,
+    settings: AppSettings,
+    project: CurrentProject,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> schemas.Job:
+    spec = body.spec
+    check_spec_paths(spec, settings)
+    if spec.dataset.id is not None and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
+        raise ApiError(
+            422, f"no dataset with id {spec.dataset.id!r}", code="dataset_not_found", param="spec.dataset.id"
+        )
+    resolved = spec.model_dump(mode="json")
+    body_hash = idempotency.request_hash(resolved)
+
+    if idempotency_key is not None:
+        replay = _replay(db, project.id, idempotency_key, body_hash, response)
+        if replay is not None:
+            return replay
+    job = jobs_crud.create_job(db, project.id, resolved, max_attempts=settings.max_attempts)
+    if idempotency_key is not None:
+        idempotency.remember(db, project.id, idempotency_key, body_hash, job.id)
+    try:
+        db.commit()
+    except IntegrityError:
+        # A concurrent request with the same key won the insert: answer as its replay.
+        db.rollback()
+        replay = _replay(db, project.id, idempotency_key or "", body_hash, response)
+        if replay is None:
+            raise
+        return replay
+    _enqueue(db, request, settings, job)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return schemas.Job.model_validate(job)
+
+
+def _replay(db: DB, project_id: str, key: str, body_hash: str, response: Response) -> schemas.Job | None:
+    row = idempotency.find(db, project_id, key)
+    if row is None:
+        return None
+    if row.request_hash != body_hash:
+        raise ApiError(
+            409,
+            "this Idempotency-Key was already used with a different request body",
+            code="idempotency_key_reused",
+            param="Idempotency-Key",
+        )
+    job = _job_or_404(db, project_id, row.job_id)
+    response.headers["Idempotent-Replayed"] = "true"
+    response.status_code = 200
+    return schemas.Job.model_validate(job)
+
+
+def _enqueue(db: DB, request: Request, settings: AppSettings, job: Job) -> None:
+    # The row is committed first: if Redis is down the job stays queued and the reconciler enqueues it.
+    try:
+        enqueue_run(request.app.state.redis, job.id, job.queue, settings.job_timeout_s)
+    except RedisError as exc:
+        log.warning(
+            "enqueue of %s failed (%s); left queued for the reconciler", job.id, exc.__class__.__name__
+        )
+        events_crud.add_event(
+            db,
+            job.id,
+            "warning",
+            "the job queue is unavailable; the job will be enqueued when it recovers",
+            level="warning",
+        )
+        db.commit()
+        return
+    job.rq_job_id = job.id
+    db.commit()
+
+
+@router.get("", response_model=schemas.JobList, responses=_ERRORS, summary="List jobs, newest first")
+def list_jobs(
+    db: DB,
+    project: CurrentProject,
+    status: Annotated[schemas.JobStatus | None, Query(description="Only jobs in this status.")] = None,
+    after: Annotated[
+        str | None, Query(max_length=64, description="Cursor: a job id from the previous page.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> schemas.JobList:
+    page = jobs_crud.list_jobs(db, project.id, status=status, after=after, limit=limit)
+    if page is None:
+        raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
+    rows, has_more = page
+    return schemas.JobList(
+        data=[schemas.Job.model_validate(j) for j in rows],
+        has_more=has_more,
+        next_cursor=rows[-1].id if has_more else None,
+    )
+
+
+@router.get("/{job_id}", response_model=schemas.Job, responses=_ERRORS, summary="Inspect a job")
+def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
+    return schemas.Job.model_validate(_job_or_404(db, project.id, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=schemas.Job,
+    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    summary="Cancel a job",
+    description="A queued job is cancelled at once. A running job becomes `cancelling`: the worker saves "
+    "a checkpoint and stops (hard stop after the grace period). A finished job answers 409.",
+)
+def cancel_job(job_id: str, request: Request, db: DB, project: CurrentProject) -> schemas.Job:
+    job = _job_or_404(db, project.id, job_id)
+    # A lost race (the worker claimed or finished it meanwhile) re-reads the status and tries again.
+    for _ in range(5):
+        if job.status == "queued":
+            if jobstate.transition(
+                db, job.id, "cancelled", expect=["queued"], event="cancelled before it started"
+            ):
+                _drop_from_queue(request, job.id)
+                break
+        elif job.status == "running":
+            if jobstate.transition(db, job.id, "cancelling", expect=["running"], event="cancel requested"):
+                break
+        elif job.status == "cancelling":
+            break
+        else:
+            raise ApiError(409, f"job {job.id} already {job.status}", code="job_finished", param="job_id")
+        db.refresh(job)
+    db.refresh(job)
+    return schemas.Job.model_validate(job)
+
+
+def _drop_from_queue(request: Request, job_id: str) -> None:
+    # Best effort: a worker that still dequeues it finds the row cancelled and skips it.
+    from rq.exceptions import NoSuchJobError
+    from rq.job import Job as RQJob
+
+    with contextlib.suppress(NoSuchJobError, RedisError, ValueError):
+        RQJob.fetch(job_id, connection=request.app.state.redis).cancel()
+
+
+@router.get(
+    "/{job_id}/events",
+    response_model=schemas.EventList,
+    responses={
+        **_ERRORS,
+        200: {
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "description": "JSON page, or with `Accept: text/event-stream` a live stream until the job ends.",
+        },
+    },
+    summary="Job events (paginated, or followed live over SSE)",
+)
+def job_events(
+    job_id: str,
+    request: Request,
+    db: DB,
+    settings: AppSettings,
+    project: CurrentProject,
+    after: Annotated[int | None, Query(ge=0, description="Only events with a larger id.")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> schemas.EventList | StreamingResponse:
+    _job_or_404(db, project.id, job_id)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        start = after
+        if last_event_id and last_event_id.strip().isdigit():
+            start = int(last_event_id.strip())
+        return StreamingResponse(
+            _follow(request, job_id, start, settings.events_poll_s),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    rows, has_more = events_crud.events_after(db, job_id, after, limit)
+    return schemas.EventList(
+        data=[schemas.Event.model_validate(e) for e in rows],
+        has_more=has_more,
+        next_cursor=str(rows[-1].id) if has_more else None,
+    )
+
+
+async def _follow(request: Request, job_id: str, after: int | None, poll_s: float) -> AsyncIterator[bytes]:
+    """Poll the DB for new events and emit them as SSE until the job is terminal and drained."""
+    sessions = request.app.state.sessions
+
+    def poll(cursor: int | None) -> tuple[list[schemas.Event], str | None]:
+        with sessions() as db:
+            rows, _ = events_crud.events_after(db, job_id, cursor, 500)
+            job = db.get(Job, job_id)
+            return [schemas.Event.model_validate(e) for e in rows], job.status if job else None
+
+    cursor = after
+    idle = 0.0
+    while True:
+        events, status = await anyio.to_thread.run_sync(poll, cursor)
+        for ev in events:
+            cursor = ev.id
+            yield f"id: {ev.id}\nevent: {ev.type}\ndata: {ev.model_dump_json()}\n\n".encode()
+        # Status was read after the events, so a terminal status here means nothing more will come.
+        if (status is None or jobstate.is_terminal(status)) and not events:
+            yield f"event: end\ndata: {json.dumps({'status': status})}\n\n".encode()
+            return
+        if events:
+            idle = 0.0
+            continue
+        if await request.is_disconnected():
+            return
+        await anyio.sleep(poll_s)
+        idle += poll_s
+        if idle >= 15:
+            idle = 0.0
+            yield b": keep-alive\n\n"
+
+
+@router.get(
+    "/{job_id}/metrics", response_model=schemas.MetricList, responses=_ERRORS, summary="Metric series"
+)
+def job_metrics(
+    job_id: str,
+    db: DB,
+    project: CurrentProject,
+    after: Annotated[
+        int | None, Query(ge=0, description="Cursor: `next_cursor` of the previous page.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> schemas.MetricList:
+    _job_or_404(db, project.id, job_id)
+    rows, has_more = metrics_crud.metrics_after(db, job_id, after, limit)
+    return schemas.MetricList(
+        data=[schemas.MetricPoint.model_validate(m) for m in rows],
+        has_more=has_more,
+        next_cursor=str(rows[-1].id) if has_more else None,
+    )
+
+
+@router.get(
+    "/{job_id}/checkpoints",
+    response_model=schemas.CheckpointList,
+    responses=_ERRORS,
+    summary="Published checkpoints",
+)
+def job_checkpoints(job_id: str, db: DB, project: CurrentProject) -> schemas.CheckpointList:
+    from service.crud.checkpoints import list_for_job
+
+    _job_or_404(db, project.id, job_id)
+    return schemas.CheckpointList(
+        data=[schemas.Checkpoint.model_validate(c) for c in list_for_job(db, job_id)]
+    )

@@ -1,0 +1,141 @@
+"""Request and response bodies of the REST API (pydantic); these are what OpenAPI documents."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from peagle_core.spec import JobSpec
+
+JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class ErrorBody(BaseModel):
+    type: str = Field(description="Error class: invalid_request_error, not_found_error, ...")
+    code: str = Field(description="Stable machine-readable code.")
+    message: str = Field(description="What went wrong, naming the field or line.")
+    param: str | None = Field(default=None, description="The offending field (dotted path), if any.")
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorBody
+
+
+class CreateJobRequest(BaseModel):
+    """`{"spec": {...}}`: the job spec is wrapped so that request-level options can be added later."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spec: JobSpec
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class Job(_Out):
+    id: str
+    object: Literal["job"] = "job"
+    name: str | None
+    status: JobStatus
+    attempt: int
+    max_attempts: int
+    queue: str
+    progress: dict[str, Any] | None = Field(description="stage, step, total_steps, eta_s (while running).")
+    error: dict[str, Any] | None = Field(description="{code, message} when the job failed.")
+    spec: dict[str, Any] = Field(description="The resolved job spec (all defaults filled in).")
+    created_at: datetime
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    cancel_requested_at: datetime | None
+    updated_at: datetime
+
+
+class Page(BaseModel):
+    has_more: bool
+    next_cursor: str | None = Field(default=None, description="Pass as `after` to get the next page.")
+
+
+class JobList(Page):
+    data: list[Job]
+
+
+class Event(_Out):
+    id: int
+    job_id: str
+    created_at: datetime
+    level: str
+    type: str
+    message: str
+    data: dict[str, Any] | None
+
+
+class EventList(Page):
+    data: list[Event]
+
+
+class MetricPoint(_Out):
+    step: int
+    values: dict[str, Any] = Field(
+        description="loss, acc_{d}, tokens_per_s, lr, eval/acceptance_length@K, ..."
+    )
+    created_at: datetime
+
+
+class MetricList(Page):
+    data: list[MetricPoint]
+
+
+class FileInfo(BaseModel):
+    name: str
+    size: int
+    sha256: str
+
+
+class Checkpoint(_Out):
+    id: str
+    object: Literal["checkpoint"] = "checkpoint"
+    job_id: str
+    step: int
+    files: list[FileInfo]
+    sha256: str = Field(description="sha256 of the canonical file manifest.")
+    size: int
+    metrics: dict[str, Any] | None
+    created_at: datetime
+
+
+class CheckpointList(BaseModel):
+    data: list[Checkpoint]
+
+
+class Dataset(_Out):
+    id: str
+    object: Literal["dataset"] = "dataset"
+    filename: str
+    sha256: str
+    size: int
+    num_records: int
+    format: str
+    created_at: datetime
+
+
+class DatasetList(Page):
+    data: list[Dataset]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    status: Literal["ok"] = "ok"
+    database: Literal["ok"] = "ok"
+    redis: Literal["ok"] = "ok"

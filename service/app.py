@@ -1,0 +1,68 @@
+"""`create_app(settings)`: the FastAPI control plane (routes, error envelope, metrics). No torch import."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from service.api import errors
+from service.api.routes import checkpoints, datasets, health, jobs
+from service.db.session import session_factory
+from service.metrics import Metrics, MetricsMiddleware
+from service.queue import redis_from_url
+from service.settings import Settings, get_settings
+
+
+def _job_counts(sessions: Any) -> dict[str, int]:
+    from service.crud.jobs import count_by_status
+
+    with sessions() as db:
+        return count_by_status(db)
+
+
+def _queue_depths(redis: Any) -> dict[str, int]:
+    from rq import Queue
+
+    return {q.name: q.count for q in Queue.all(connection=redis)}
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; nothing connects until the first request, so a down DB gives 503s, not a crash."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        app.state.redis.close()
+
+    app = FastAPI(
+        title="peagle-service",
+        version="0.1.0",
+        summary="Train P-EAGLE speculative-decoding drafters as a service.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.sessions = session_factory(settings.database_url)
+    app.state.redis = redis_from_url(settings.redis_url)
+
+    # The store is built on first use: constructing it may create the local root directory.
+    @functools.cache
+    def store() -> Any:
+        from worker.artifacts import ArtifactStore
+
+        return ArtifactStore(settings.artifact_root)
+
+    app.state.store = store
+    app.state.metrics = Metrics()
+    app.state.metrics.track_state(
+        functools.partial(_job_counts, app.state.sessions), functools.partial(_queue_depths, app.state.redis)
+    )
+    errors.install(app)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    for module in (health, jobs, datasets, checkpoints):
+        app.include_router(module.router)
+    return app

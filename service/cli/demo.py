@@ -1,0 +1,269 @@
+"""`peagle demo`: the main job end to end over HTTP: toy verifier and data, train, download, validate.
+
+Talks to `--url/--key`, or starts its own `peagle up` in the data dir (and stops it afterwards).
+The job spec it posts is written to `<data-dir>/demo/job.yaml` for reuse with `peagle jobs submit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from peagle_core.io import atomic_write_bytes
+from service.cli.client import KEY_FILE, URL_FILE, connect, download_with_progress, fail
+from service.client import PeagleClient
+
+# Budgets sized so the default demo (toy verifier build included) ends in < 15 min on a 2-core CPU.
+DEMO_BUDGETS: dict[str, dict[str, Any]] = {
+    "default": {"conversations": 400, "seq_len": 256, "max_steps": 150, "eval_prompts": 8, "new_tokens": 32},
+    "test": {"conversations": 48, "seq_len": 128, "max_steps": 8, "eval_prompts": 2, "new_tokens": 8},
+}
+
+
+def register(app: typer.Typer) -> None:
+    """Add `peagle demo` to `app`."""
+    app.command("demo")(demo)
+
+
+def demo_spec(verifier_path: str, dataset_id: str, size: str) -> dict[str, Any]:
+    """The hybrid-mode job the demo posts: a small drafter and step budget that fit a CPU in minutes."""
+    b = DEMO_BUDGETS[size]
+    return {
+        "name": f"demo-{size}",
+        "verifier": {"name_or_path": verifier_path},
+        "dataset": {"id": dataset_id, "seq_len": b["seq_len"], "val_fraction": 0.05},
+        "hidden_states": {"mode": "hybrid", "dtype": "fp32"},
+        "model": {"num_layers": 1, "num_depths": 4, "draft_vocab_size": None},
+        "training": {
+            "epochs": 1,
+            "max_steps": b["max_steps"],
+            "total_seq_len": 4 * b["seq_len"],
+            "lr": 2e-3,
+            "checkpoint_every_steps": max(1, b["max_steps"] // 2),
+        },
+        "evaluation": {
+            "prompts": b["eval_prompts"],
+            "max_new_tokens": b["new_tokens"],
+            "speculative_tokens": [4],
+        },
+    }
+
+
+def demo(
+    url: Annotated[
+        str | None, typer.Option(envvar="PEAGLE_URL", help="A running server; default: start `peagle up`.")
+    ] = None,
+    key: Annotated[str | None, typer.Option(envvar="PEAGLE_API_KEY", help="API key for --url.")] = None,
+    data_dir: Annotated[
+        Path,
+        typer.Option(envvar="PEAGLE_DATA_DIR", help="Data dir of the server it starts, and demo outputs."),
+    ] = Path("./peagle-data"),
+    size: Annotated[
+        str, typer.Option(help="Toy verifier size: default, or test (seconds, for tests).")
+    ] = "default",
+    port: Annotated[
+        int | None, typer.Option(help="Port for the server it starts [default: a free one].")
+    ] = None,
+    timeout_s: Annotated[float, typer.Option(help="Give up waiting for the job after this long.")] = 3600,
+) -> None:
+    """Train a drafter for a toy verifier over HTTP, download and validate it, print the vLLM command."""
+    if size not in DEMO_BUDGETS:
+        fail(f"--size: choose one of {', '.join(DEMO_BUDGETS)}")
+    t0 = time.monotonic()
+    data_dir = data_dir.resolve()
+    work = data_dir / "demo"
+    work.mkdir(parents=True, exist_ok=True)
+
+    typer.echo(f"[1/5] toy verifier ({size}) and chat data…", err=True)
+    verifier_path, data_path = _toy_inputs(size, work)
+
+    with _server(url, data_dir, port) as base_url:
+        if key is None and (data_dir / KEY_FILE).is_file():
+            key = (data_dir / KEY_FILE).read_text().strip()
+        with connect(base_url, key) as client:
+            ckpt, job, out = _run_job(client, base_url, verifier_path, data_path, size, work, timeout_s)
+
+    typer.echo("[5/5] validating the checkpoint…", err=True)
+    _report(out, verifier_path, ckpt, job, time.monotonic() - t0)
+
+
+def _run_job(
+    client: PeagleClient,
+    base_url: str,
+    verifier_path: Path,
+    data_path: Path,
+    size: str,
+    work: Path,
+    timeout_s: float,
+) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """Upload, submit, follow, download: returns (checkpoint, job, local checkpoint dir)."""
+    typer.echo(f"[2/5] uploading {data_path.name} to {base_url}…", err=True)
+    dataset = client.upload_dataset(data_path)
+    spec = demo_spec(str(verifier_path), dataset["id"], size)
+    spec_path = work / "job.yaml"
+    atomic_write_bytes(spec_path, yaml.safe_dump(spec, sort_keys=False).encode())
+    job = client.create_job(spec)
+    typer.echo(f"[3/5] job {job['id']} (spec: {spec_path})", err=True)
+    job = _follow_with_progress(client, job["id"], timeout_s)
+    if job["status"] != "succeeded":
+        error = job.get("error") or {}
+        fail(
+            f"job {job['id']} {job['status']}: {error.get('message', 'see `peagle jobs logs ' + job['id'] + '`')}"
+        )
+
+    checkpoints = client.list_checkpoints(job["id"]).get("data", [])
+    if not checkpoints:
+        fail(f"job {job['id']} succeeded but published no checkpoint")
+    ckpt = max(checkpoints, key=lambda c: c["step"])
+    out = work / ckpt["id"]
+    typer.echo(f"[4/5] downloading {ckpt['id']} (step {ckpt['step']}) to {out}…", err=True)
+    download_with_progress(client, ckpt["id"], out)
+    return ckpt, job, out
+
+
+def _toy_inputs(size: str, work: Path) -> tuple[Path, Path]:
+    from peagle_core.toy import build_toy_verifier, write_toy_dataset
+
+    verifier = build_toy_verifier(size=size)
+    data = write_toy_dataset(work / f"toy_chat_{size}.jsonl", n=DEMO_BUDGETS[size]["conversations"])
+    return verifier, data
+
+
+def _report(
+    out: Path, verifier_path: Path, ckpt: dict[str, Any], job: dict[str, Any], elapsed: float
+) -> None:
+    import json
+
+    from peagle_core.export import serve_command, validate_checkpoint
+
+    with open(verifier_path / "config.json") as f:
+        verifier_config = json.load(f)
+    problems = validate_checkpoint(out, verifier_config)
+    if problems:
+        fail(f"checkpoint {out} is not valid: {'; '.join(problems)}")
+    config = json.loads((out / "config.json").read_text())
+    k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    metrics = ckpt.get("metrics") or {}
+    accept = {m: v for m, v in metrics.items() if m.startswith("eval/acceptance_length")}
+    typer.echo(f"job {job['id']} succeeded in {elapsed / 60:.1f} min; checkpoint valid: {out}")
+    for name, value in sorted(accept.items()):
+        typer.echo(f"{name.removeprefix('eval/')}: {value:.3f}")
+    typer.echo("serve it with vLLM (0.28+):")
+    typer.echo(serve_command(str(verifier_path), out, k))
+
+
+def _follow_with_progress(client: PeagleClient, job_id: str, timeout_s: float) -> dict[str, Any]:
+    """Show stage/step progress and print warnings until the job ends (or `timeout_s` passes)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    deadline = time.monotonic() + timeout_s
+    with Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[eta]}"),
+        transient=False,
+    ) as bar:
+        task = bar.add_task("queued", total=None, eta="")
+
+        def show(job: dict[str, Any]) -> None:
+            p = job.get("progress") or {}
+            stage = p.get("stage") or job["status"]
+            eta = f"eta {p['eta_s']:.0f}s" if p.get("eta_s") else ""
+            bar.update(task, description=f"{job['status']}: {stage}", total=p.get("total_steps"), eta=eta)
+            if p.get("step") is not None:
+                bar.update(task, completed=p["step"])
+            if time.monotonic() > deadline:
+                raise TimeoutError
+
+        try:
+            for event in client.follow_events(job_id, on_job=show):
+                if event.get("level") in ("warning", "error") or event.get("type") in ("status", "stage"):
+                    bar.console.print(f"  {event.get('type')}: {event.get('message')}")
+        except TimeoutError:
+            fail(f"job {job_id} did not finish within {timeout_s:.0f}s; it keeps running on the server")
+    return client.get_job(job_id)
+
+
+@contextlib.contextmanager
+def _server(url: str | None, data_dir: Path, port: int | None) -> Iterator[str]:
+    """The given URL, or a `peagle up` already running on `data_dir`, or a fresh one (stopped after)."""
+    if url is not None:
+        yield url
+        return
+    running = _running_url(data_dir)
+    if running is not None:
+        typer.echo(f"using the `peagle up` already running at {running}", err=True)
+        yield running
+        return
+    from service.embedded import PEAGLE
+
+    port = port or _free_port()
+    log = data_dir / "logs" / "up.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    typer.echo(f"starting `peagle up` on port {port} (log: {log})…", err=True)
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(
+            [*PEAGLE, "up", "--data-dir", str(data_dir), "--port", str(port)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_for(base_url, data_dir, proc, log)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(180)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_for(base_url: str, data_dir: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            fail(f"`peagle up` exited with code {proc.returncode}:\n{tail}")
+        if (data_dir / URL_FILE).is_file() and (data_dir / KEY_FILE).is_file() and _ready(base_url):
+            return
+        time.sleep(0.3)
+    fail(f"`peagle up` did not become ready within 180s (log: {log})")
+
+
+def _running_url(data_dir: Path) -> str | None:
+    url_file = data_dir / URL_FILE
+    if not url_file.is_file():
+        return None
+    url = url_file.read_text().strip()
+    return url if _ready(url) else None
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url.rstrip("/") + "/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,314 @@
+"""Python client for the peagle HTTP API: one method per route, errors raised as `ApiError`.
+
+Built on httpx; imports nothing from the server side, so it works from any machine that can reach the API.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from peagle_core.io import sha256_file
+
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+_CHUNK = 1 << 20
+
+
+class ApiError(Exception):
+    """An error answer from the API (its `{"error": {...}}` envelope), or a transport failure.
+
+    `status` is the HTTP status, 0 when the server could not be reached at all.
+    """
+
+    def __init__(self, status: int, type: str, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.code = code
+        self.message = message
+        self.param = param
+
+    def __str__(self) -> str:
+        where = f" ({self.param})" if self.param and self.param not in self.message else ""
+        return f"{self.message}{where} [{self.code}]"
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> ApiError:
+        """Build from an error response; a body that is not our envelope still gives a readable message."""
+        try:
+            err = response.json()["error"]
+            return cls(
+                response.status_code,
+                str(err.get("type") or "api_error"),
+                str(err.get("code") or f"http_{response.status_code}"),
+                str(err.get("message") or response.reason_phrase),
+                err.get("param"),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            text = response.text.strip().splitlines()[0][:200] if response.text.strip() else ""
+            message = f"HTTP {response.status_code} {response.reason_phrase}" + (f": {text}" if text else "")
+            return cls(response.status_code, "http_error", f"http_{response.status_code}", message)
+
+
+class ChecksumMismatch(ApiError):
+    """A downloaded file whose sha256 or size differs from what the API published."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(0, "integrity_error", "checksum_mismatch", message, param)
+
+
+class PeagleClient:
+    """A client for one peagle server and API key.
+
+    `http` lets callers pass their own `httpx.Client` (e.g. FastAPI's TestClient); otherwise one is made.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        key: str | None,
+        *,
+        timeout: float = 60.0,
+        http: httpx.Client | None = None,
+    ):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if http is None:
+            http = httpx.Client(base_url=self.url, timeout=timeout)
+        http.headers.update(headers)
+        self._http = http
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PeagleClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ApiError(0, "connection_error", "unreachable", f"cannot reach {self.url}: {exc}") from None
+        if response.status_code >= 400:
+            raise ApiError.from_response(response)
+        return response
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._request(method, path, **kwargs).json()
+
+    @staticmethod
+    def _params(**params: Any) -> dict[str, Any]:
+        return {k: v for k, v in params.items() if v is not None}
+
+    def _paginate(self, path: str, **params: Any) -> Iterator[dict[str, Any]]:
+        after = params.pop("after", None)
+        while True:
+            page = self._json("GET", path, params=self._params(after=after, **params))
+            items = page.get("data", [])
+            yield from items
+            if not page.get("has_more") or not items:
+                return
+            after = page.get("next_cursor") or items[-1]["id"]
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return self._json("GET", "/healthz")
+
+    def ready(self) -> dict[str, Any]:
+        return self._json("GET", "/readyz")
+
+    # -- datasets --------------------------------------------------------------------------------
+
+    def upload_dataset(self, path: str | Path, *, filename: str | None = None) -> dict[str, Any]:
+        """Upload a JSONL file (streamed as multipart); returns the dataset record."""
+        path = Path(path)
+        with open(path, "rb") as f:
+            files = {"file": (filename or path.name, f, "application/jsonl")}
+            return self._json("POST", "/v1/datasets", files=files)
+
+    def list_datasets(self, *, limit: int | None = None, after: str | None = None) -> dict[str, Any]:
+        return self._json("GET", "/v1/datasets", params=self._params(limit=limit, after=after))
+
+    def get_dataset(self, dataset_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/datasets/{dataset_id}")
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
+        """POST a job spec (a JobSpec-shaped dict); the server validates it and answers the job record."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._json("POST", "/v1/jobs", json={"spec": spec}, headers=headers)
+
+    def list_jobs(
+        self, *, status: str | None = None, limit: int | None = None, after: str | None = None
+    ) -> dict[str, Any]:
+        return self._json("GET", "/v1/jobs", params=self._params(status=status, limit=limit, after=after))
+
+    def iter_jobs(self, *, status: str | None = None) -> Iterator[dict[str, Any]]:
+        """Every job of the project, following the cursor across pages."""
+        return self._paginate("/v1/jobs", status=status)
+
+    def get_job(self, job_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/jobs/{job_id}")
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        return self._json("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def job_events(
+        self, job_id: str, *, after: int | str | None = None, limit: int | None = None
+    ) -> dict[str, Any]:
+        return self._json("GET", f"/v1/jobs/{job_id}/events", params=self._params(after=after, limit=limit))
+
+    def job_metrics(self, job_id: str) -> list[dict[str, Any]]:
+        """Every metric point of the job (`step`, `values`), across pages."""
+        return list(self._paginate(f"/v1/jobs/{job_id}/metrics"))
+
+    def follow_events(
+        self,
+        job_id: str,
+        *,
+        after: int | str | None = None,
+        poll_s: float = 1.0,
+        on_job: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Yield the job's events as they happen until the job is finished and every event was seen.
+
+        Polls the paginated events with a cursor, so a dropped connection or a server restart loses
+        nothing; `on_job` sees the job record after each poll (for progress bars).
+        """
+        while True:
+            # Read the status first: events written before a terminal status are then surely visible.
+            job = self.get_job(job_id)
+            if on_job is not None:
+                on_job(job)
+            while True:
+                page = self.job_events(job_id, after=after)
+                events = page.get("data", [])
+                yield from events
+                if events:
+                    after = events[-1]["id"]
+                if not page.get("has_more") or not events:
+                    break
+            if job.get("status") in TERMINAL_STATUSES:
+                return
+            time.sleep(poll_s)
+
+    def wait(self, job_id: str, *, timeout_s: float, poll_s: float = 1.0) -> dict[str, Any]:
+        """Poll until the job reaches a terminal status; raise TimeoutError naming the last status."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.get_job(job_id)
+            if job.get("status") in TERMINAL_STATUSES:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job.get('status')} after {timeout_s:.0f}s")
+            time.sleep(poll_s)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def list_checkpoints(self, job_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/jobs/{job_id}/checkpoints")
+
+    def get_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/checkpoints/{checkpoint_id}")
+
+    def download_file(
+        self,
+        checkpoint_id: str,
+        name: str,
+        dest: str | Path,
+        *,
+        sha256: str,
+        size: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> Path:
+        """Download one checkpoint file to `dest`, resuming a partial `dest.part` through HTTP Range.
+
+        The file appears at `dest` only once its size and sha256 match the published ones; a corrupt
+        partial download is discarded and fetched again once.
+        """
+        dest = Path(dest)
+        if dest.exists() and dest.stat().st_size == size and sha256_file(dest) == sha256:
+            if on_bytes is not None:
+                on_bytes(size)
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(dest.name + ".part")
+        for attempt in range(2):
+            self._fetch_into(checkpoint_id, name, part, size, on_bytes)
+            if part.stat().st_size == size and sha256_file(part) == sha256:
+                os.replace(part, dest)
+                return dest
+            part.unlink()
+            if attempt == 1:
+                raise ChecksumMismatch(
+                    f"{name}: downloaded bytes do not match the published sha256 {sha256[:12]}…", param=name
+                )
+        raise AssertionError("unreachable")
+
+    def _fetch_into(
+        self,
+        checkpoint_id: str,
+        name: str,
+        part: Path,
+        size: int,
+        on_bytes: Callable[[int], None] | None,
+    ) -> None:
+        have = part.stat().st_size if part.exists() else 0
+        if have > size:
+            part.unlink()
+            have = 0
+        if on_bytes is not None and have:
+            on_bytes(have)
+        if have == size:
+            return
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        path = f"/v1/checkpoints/{checkpoint_id}/files/{name}"
+        try:
+            with self._http.stream("GET", path, headers=headers) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ApiError.from_response(response)
+                # A server that ignores Range answers 200 with the whole file: start over.
+                mode = "ab" if response.status_code == 206 else "wb"
+                with open(part, mode) as f:
+                    for chunk in response.iter_bytes(_CHUNK):
+                        f.write(chunk)
+                        if on_bytes is not None:
+                            on_bytes(len(chunk))
+        except httpx.TransportError as exc:
+            raise ApiError(
+                0, "connection_error", "unreachable", f"download of {name} broke off: {exc}"
+            ) from None
+
+    def download_checkpoint(
+        self,
+        checkpoint_id: str,
+        out_dir: str | Path,
+        *,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> Path:
+        """Download every file of a checkpoint into `out_dir` (resumable, sha256-verified per file)."""
+        ckpt = self.get_checkpoint(checkpoint_id)
+        out = Path(out_dir)
+        for f in ckpt["files"]:
+            self.download_file(
+                checkpoint_id,
+                f["name"],
+                out / f["name"],
+                sha256=f["sha256"],
+                size=f["size"],
+                on_bytes=on_bytes,
+            )
+        return out

@@ -1,0 +1,52 @@
+"""Published checkpoints: inserted by the worker after the files are in place, read by the API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.db.models import Checkpoint, utcnow
+
+
+def add_checkpoint(
+    session: Session,
+    *,
+    job_id: str,
+    project_id: str,
+    step: int,
+    uri: str,
+    files: list[dict[str, Any]],
+    sha256: str,
+    metrics: dict[str, Any] | None = None,
+    checkpoint_id: str | None = None,
+) -> Checkpoint:
+    """Add a checkpoint row (the caller commits, only after the artifact is published and verified)."""
+    row = Checkpoint(
+        job_id=job_id,
+        project_id=project_id,
+        step=step,
+        uri=uri,
+        files=files,
+        sha256=sha256,
+        size=sum(int(f["size"]) for f in files),
+        metrics=metrics,
+        created_at=utcnow(),
+    )
+    if checkpoint_id is not None:
+        row.id = checkpoint_id
+    session.add(row)
+    return row
+
+
+def get_checkpoint(session: Session, project_id: str, checkpoint_id: str) -> Checkpoint | None:
+    return session.scalar(
+        select(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.project_id == project_id)
+    )
+
+
+def list_for_job(session: Session, job_id: str) -> list[Checkpoint]:
+    return list(
+        session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
+    )

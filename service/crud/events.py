@@ -1,0 +1,34 @@
+"""Job events: append (worker, service) and read in id order (REST pages and the SSE follow mode)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.db.models import JobEvent, utcnow
+
+
+def add_event(
+    session: Session,
+    job_id: str,
+    type: str,
+    message: str,
+    *,
+    level: str = "info",
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    """Add an event to the session (the caller commits)."""
+    event = JobEvent(job_id=job_id, created_at=utcnow(), level=level, type=type, message=message, data=data)
+    session.add(event)
+    return event
+
+
+def events_after(session: Session, job_id: str, after: int | None, limit: int) -> tuple[list[JobEvent], bool]:
+    """Up to `limit` events with id > `after`, oldest first, and whether more follow."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id)
+    if after is not None:
+        query = query.where(JobEvent.id > after)
+    rows = list(session.scalars(query.order_by(JobEvent.id).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,116 @@
+"""The one job status machine: legal transitions, applied as a conditional UPDATE plus a status event.
+
+`transition()` is the only way any process changes `jobs.status`. It runs
+`UPDATE jobs SET status=:to, ... WHERE id=:id AND status IN (:expect)`; the row count decides who won, so
+two workers can never both claim one job and a cancel can never overwrite a finished job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.util import identity_key
+
+from service.db.models import JOB_STATUSES, TERMINAL_STATUSES, Job, JobEvent, utcnow
+
+# from-status -> statuses it may move to.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    # queued -> failed: the reconciler gives up on a job that can never run (attempts exhausted).
+    "queued": frozenset({"running", "cancelled", "failed"}),
+    # running -> queued: the worker died or was interrupted; the job resumes from its last checkpoint.
+    "running": frozenset({"succeeded", "failed", "cancelling", "queued"}),
+    # cancelling -> succeeded: training finished before the cancel was seen; -> queued: the worker died
+    # mid-cancel and the reconciler hands the job back (the next claim sees cancel_requested_at and stops).
+    "cancelling": frozenset({"cancelled", "failed", "succeeded", "queued"}),
+    "succeeded": frozenset(),
+    "failed": frozenset(),
+    "cancelled": frozenset(),
+}
+
+# Timestamp columns stamped when a job enters a status (unless the caller passes them).
+_STAMPS = {
+    "queued": "queued_at",
+    "running": "started_at",
+    "cancelling": "cancel_requested_at",
+    "succeeded": "finished_at",
+    "failed": "finished_at",
+    "cancelled": "finished_at",
+}
+
+
+class IllegalTransition(ValueError):
+    """A transition the status machine forbids (a programming error, not a lost race)."""
+
+
+def sources_of(to: str) -> frozenset[str]:
+    """Every status from which `to` may be entered."""
+    return frozenset(s for s, targets in TRANSITIONS.items() if to in targets)
+
+
+def is_terminal(status: str) -> bool:
+    return status in TERMINAL_STATUSES
+
+
+def transition(
+    session: Session,
+    job_id: str,
+    to: str,
+    *,
+    expect: Iterable[str] | None = None,
+    event: str | None = None,
+    event_data: dict[str, Any] | None = None,
+    level: str = "info",
+    commit: bool = True,
+    **fields: Any,
+) -> bool:
+    """Move `job_id` to status `to` if it is currently in one of `expect`; return whether it moved.
+
+    `expect` defaults to every status that may legally enter `to`; naming a status that may not raises
+    IllegalTransition. `fields` are extra column values (they may be SQL expressions, e.g.
+    `attempt=Job.attempt + 1`). The entry timestamp for `to` is set unless given. On success a `status`
+    event (message `event`, data `event_data`) is added in the same transaction, which is committed
+    unless `commit=False`. A False return means another process changed the job first: nothing is written.
+    """
+    if to not in JOB_STATUSES:
+        raise IllegalTransition(f"unknown job status {to!r}")
+    allowed = sources_of(to)
+    expected = frozenset(expect) if expect is not None else allowed
+    bad = expected - allowed
+    if bad:
+        raise IllegalTransition(f"a job cannot go from {sorted(bad)} to {to!r}")
+    if not expected:
+        return False
+    now = utcnow()
+    stamp = _STAMPS[to]
+    values: dict[str, Any] = {"status": to, "updated_at": now, **fields}
+    values.setdefault(stamp, now)
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status.in_(sorted(expected)))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return False
+    # The UPDATE bypassed the ORM: make a Job already loaded in this session re-read its row.
+    loaded = session.identity_map.get(identity_key(Job, job_id))
+    if loaded is not None:
+        session.expire(loaded)
+    session.add(
+        JobEvent(
+            job_id=job_id,
+            created_at=now,
+            level=level,
+            type="status",
+            message=event or f"job {to}",
+            data={"status": to, **(event_data or {})},
+        )
+    )
+    if commit:
+        session.commit()
+    else:
+        session.flush()
+    return True

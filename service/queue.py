@@ -1,0 +1,62 @@
+"""Redis/RQ plumbing: connect (tcp or unix socket) and enqueue "run job X" exactly once per DB job id."""
+
+from __future__ import annotations
+
+from redis import Redis
+from rq import Queue
+from rq.exceptions import DuplicateJobError, NoSuchJobError
+from rq.job import Job as RQJob
+from rq.job import JobStatus
+
+RUN_JOB_FUNC = "worker.tasks.run_job"
+
+# An RQ job in one of these is waiting for or held by a worker: enqueueing again would run it twice.
+_LIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
+
+
+def redis_from_url(url: str, *, socket_timeout: float | None = 5.0) -> Redis:
+    """A Redis client for `url` (`redis://`, `rediss://` or `unix:///path.sock?db=0`).
+
+    The timeouts make a dead Redis fail fast (the API answers 503) instead of hanging a request.
+    """
+    return Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+
+
+def rq_status(redis: Redis, job_id: str) -> JobStatus | None:
+    """The RQ status of `job_id`, or None when RQ does not know it (expired, flushed, never enqueued)."""
+    try:
+        return RQJob.fetch(job_id, connection=redis).get_status(refresh=False)
+    except NoSuchJobError:
+        return None
+
+
+def enqueue_run(redis: Redis, job_id: str, queue_name: str, timeout_s: int) -> RQJob:
+    """Enqueue `worker.tasks.run_job(job_id)` on `queue_name` with RQ id == `job_id`, at most once.
+
+    A job already queued/started in RQ is returned untouched; a finished/failed RQ record of an earlier
+    attempt is replaced. Raises redis.exceptions.ConnectionError when Redis is down (the caller leaves
+    the DB row queued for the reconciler).
+    """
+    try:
+        existing = RQJob.fetch(job_id, connection=redis)
+    except NoSuchJobError:
+        existing = None
+    if existing is not None:
+        if existing.get_status(refresh=False) in _LIVE:
+            return existing
+        existing.delete()
+    queue = Queue(queue_name, connection=redis)
+    try:
+        return queue.enqueue_call(
+            RUN_JOB_FUNC,
+            args=(job_id,),
+            job_id=job_id,
+            timeout=timeout_s,
+            result_ttl=24 * 3600,
+            failure_ttl=7 * 24 * 3600,
+            description=f"peagle job {job_id}",
+            unique=True,
+        )
+    except DuplicateJobError:
+        # Another process enqueued it between our check and our write: theirs is the one.
+        return RQJob.fetch(job_id, connection=redis)

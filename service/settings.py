@@ -1,0 +1,110 @@
+"""Service settings from the environment (prefix `PEAGLE_`), shared by the API, the worker and the CLI."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split_paths(value: object) -> object:
+    # Roots come from the environment as `PEAGLE_ALLOWED_MODEL_ROOTS=/a:/b` (or comma-separated) or JSON.
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            return json.loads(text)
+        sep = "," if "," in text else ":"
+        return [p for p in text.split(sep) if p.strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    """Everything an operator configures; each field is read from `PEAGLE_<FIELD_NAME>`."""
+
+    model_config = SettingsConfigDict(env_prefix="PEAGLE_", env_file=None, extra="ignore")
+
+    data_dir: Path = Field(
+        default=Path("./peagle-data"),
+        description="Local state directory: the SQLite file and the default artifact root live here.",
+    )
+    database_url: str = Field(
+        default="",
+        description="SQLAlchemy URL of the job database. Postgres in production "
+        "(postgresql+psycopg://user@host/db); default: the SQLite file <data_dir>/peagle.db.",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis URL of the RQ queue; unix:///path/redis.sock?db=0 for the embedded server.",
+    )
+    artifact_root: str = Field(
+        default="",
+        description="fsspec URI where datasets and checkpoints are stored (a local directory or s3://...); "
+        "default: <data_dir>/artifacts.",
+    )
+    max_upload_bytes: int = Field(
+        default=1 << 30, ge=1, description="Largest dataset upload accepted, in bytes (larger: HTTP 413)."
+    )
+    cancel_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds a cancelled running job gets to save a checkpoint before it is stopped hard.",
+    )
+    allowed_model_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Server directories a spec's verifier.name_or_path may point into "
+        "(colon- or comma-separated). Empty: no server paths allowed.",
+    )
+    allowed_data_roots: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Server directories a spec's dataset.path and hidden_states.cache_uri may point into.",
+    )
+    allow_hub: bool = Field(
+        default=False, description="Allow Hugging Face hub ids (org/name) as verifier.name_or_path."
+    )
+    allow_trust_remote_code: bool = Field(
+        default=False, description="Allow specs with verifier.trust_remote_code: true (runs model code)."
+    )
+    max_attempts: int = Field(
+        default=3, ge=1, description="How many times a job is started before a crash marks it failed."
+    )
+    job_timeout_s: int = Field(
+        default=7 * 24 * 3600, ge=60, description="Hard RQ timeout for one job attempt, in seconds."
+    )
+    reconcile_interval_s: float = Field(
+        default=30.0, gt=0, description="How often the reconciler compares the database with the queue."
+    )
+    worker_heartbeat_s: float = Field(
+        default=10.0, gt=0, description="How often a worker records that a running job is still alive."
+    )
+
+    events_poll_s: float = Field(
+        default=0.5, gt=0, description="How often an SSE event stream polls the database for new events."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_roots(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for key in ("allowed_model_roots", "allowed_data_roots"):
+                if key in data:
+                    data[key] = _split_paths(data[key])
+        return data
+
+    @model_validator(mode="after")
+    def _derived_defaults(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{(self.data_dir / 'peagle.db').resolve()}"
+        if not self.artifact_root:
+            self.artifact_root = str((self.data_dir / "artifacts").resolve())
+        return self
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once; `get_settings.cache_clear()` re-reads the environment."""
+    return Settings()

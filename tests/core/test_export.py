@@ -1,0 +1,268 @@
+"""The vLLM checkpoint export: the §6 config, bit-exact round trip, and the validator's reasons."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from peagle_core.errors import CheckpointError
+from peagle_core.export import export_checkpoint, validate_checkpoint
+
+VERIFIER_NAME = "toy/verifier"
+
+
+def _small_model(vocab: int = 512, draft_vocab: int = 64):
+    from peagle_core.model import PEagleConfig, PEagleDraftModel
+
+    torch.manual_seed(0)
+    config = PEagleConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=512,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        num_layers=2,
+        num_depths=3,
+        down_sample_ratio=0.7,
+        down_sample_ratio_min=0.2,
+        max_anchors=None,
+        aux_layer_ids=[0, 2, 3],
+        mask_token_id=3,
+        norm_before_residual=True,
+        verifier_name_or_path=VERIFIER_NAME,
+        verifier_architectures=["LlamaForCausalLM"],
+    )
+    model = PEagleDraftModel(config)
+    # A non-trivial vocabulary map: every 7th verifier token, so d2t offsets differ per entry.
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    targets = torch.arange(draft_vocab) * 7
+    t2d[targets] = True
+    d2t = targets - torch.arange(draft_vocab)
+    model.load_verifier_head(torch.nn.RMSNorm(32), torch.randn(vocab, 32), t2d, d2t)
+    with torch.no_grad():  # make every tensor distinct from its init so the round trip proves something
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    return model
+
+
+@pytest.fixture
+def exported(tmp_path: Path) -> Path:
+    return export_checkpoint(
+        _small_model(),
+        tmp_path / "ckpt",
+        verifier_name_or_path=VERIFIER_NAME,
+        data_fingerprint="abc123",
+        metrics={"eval/acceptance_length@3": 2.5},
+    )
+
+
+def test_config_follows_the_contract(exported: Path) -> None:
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "peagle"
+    assert cfg["architectures"] == ["PEagleDraftModel"]
+    assert cfg["mask_token_id"] == cfg["pard_token"] == 3
+    assert cfg["draft_vocab_size"] == 64
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    assert cfg["norm_before_residual"] is True
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama"
+    assert layer["num_hidden_layers"] == 2 and layer["vocab_size"] == 512 and layer["head_dim"] == 8
+    assert layer["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "peagle"
+    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3}]
+    assert sc["default_proposal_method"] == "greedy"
+    assert sc["verifier"] == {"name_or_path": VERIFIER_NAME, "architectures": ["LlamaForCausalLM"]}
+    assert "speculators_version" in cfg
+    readme = (exported / "README.md").read_text()
+    assert "abc123" in readme and "2.5" in readme
+    assert (
+        f"VLLM_USE_V2_MODEL_RUNNER=0 vllm serve {VERIFIER_NAME} --speculative-config "
+        f'\'{{"model": "{exported}", "method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": true}}\''
+    ) in readme
+
+
+def test_tensor_names_are_unprefixed_and_verifier_head_is_left_out(exported: Path) -> None:
+    names = set(load_file(str(exported / "model.safetensors")))
+    assert {
+        "fc.weight",
+        "mask_hidden",
+        "d2t",
+        "t2d",
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "norm.weight",
+    } <= names
+    assert "layers.0.hidden_norm.weight" in names and "layers.1.self_attn.q_proj.weight" in names
+    assert "layers.1.hidden_norm.weight" not in names
+    assert not any(n.startswith(("model.", "verifier")) for n in names)
+    assert validate_checkpoint(exported) == []
+
+
+def test_round_trip_is_bit_exact(exported: Path) -> None:
+    from peagle_core.model import PEagleDraftModel
+
+    loaded = PEagleDraftModel.from_pretrained(exported)
+    saved = load_file(str(exported / "model.safetensors"))
+    state = loaded.state_dict()
+    for name, tensor in saved.items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name], tensor), name
+    original = _small_model()
+    for name, tensor in saved.items():
+        assert torch.equal(original.state_dict()[name], tensor), name
+
+
+def _break_tensors(path: Path, edit) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def _break_config(path: Path, edit) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_rejects_a_missing_tensor(exported: Path) -> None:
+    _break_tensors(exported, lambda t: t.pop("layers.1.mlp.down_proj.weight"))
+    assert validate_checkpoint(exported) == [
+        "model.safetensors: missing tensor 'layers.1.mlp.down_proj.weight'"
+    ]
+
+
+def test_rejects_a_wrong_shape(exported: Path) -> None:
+    _break_tensors(exported, lambda t: t.__setitem__("fc.weight", torch.zeros(32, 64)))
+    assert validate_checkpoint(exported) == [
+        "model.safetensors: tensor 'fc.weight' has shape [32, 64], expected [32, 96]"
+    ]
+
+
+def test_rejects_a_wrong_dtype(exported: Path) -> None:
+    _break_tensors(exported, lambda t: t.__setitem__("d2t", t["d2t"].to(torch.int32)))
+    assert validate_checkpoint(exported) == [
+        "model.safetensors: tensor 'd2t' has dtype int32, expected int64"
+    ]
+
+
+def test_rejects_a_wrong_mask_hidden_shape(exported: Path) -> None:
+    _break_tensors(exported, lambda t: t.__setitem__("mask_hidden", torch.zeros(1, 96)))
+    assert validate_checkpoint(exported) == [
+        "model.safetensors: tensor 'mask_hidden' has shape [1, 96], expected [1, 1, 96]"
+    ]
+
+
+def test_rejects_a_missing_mask_token_id(exported: Path) -> None:
+    _break_config(exported, lambda c: c.pop("mask_token_id"))
+    assert validate_checkpoint(exported) == ["config.json: missing required field 'mask_token_id'"]
+
+
+def test_rejects_a_mask_token_outside_the_vocabulary(exported: Path) -> None:
+    def edit(c: dict) -> None:
+        c["mask_token_id"] = c["pard_token"] = 512
+
+    _break_config(exported, edit)
+    assert validate_checkpoint(exported) == [
+        "config.json: mask_token_id 512 is outside the vocabulary [0, 512)"
+    ]
+
+
+def test_rejects_d2t_out_of_range(exported: Path) -> None:
+    def edit(t: dict) -> None:
+        t["d2t"][5] = 10_000
+
+    _break_tensors(exported, edit)
+    problems = validate_checkpoint(exported)
+    assert problems == [
+        "d2t: entry 5 maps to token 10005, outside the vocabulary [0, 512) (1 of 64 entries out of range)"
+    ]
+
+
+def test_rejects_d2t_disagreeing_with_t2d(exported: Path) -> None:
+    def edit(t: dict) -> None:
+        t["t2d"][7] = False  # draft id 1 maps to token 7 ...
+        t["t2d"][8] = True  # ... but t2d marks 8 instead
+
+    _break_tensors(exported, edit)
+    assert validate_checkpoint(exported) == [
+        "d2t/t2d: the tokens i + d2t[i] are not exactly the positions t2d marks"
+    ]
+
+
+def test_rejects_t2d_with_the_wrong_count(exported: Path) -> None:
+    _break_tensors(exported, lambda t: t["t2d"].__setitem__(1, True))
+    assert validate_checkpoint(exported) == ["t2d: marks 65 tokens, expected exactly draft_vocab_size=64"]
+
+
+def test_rejects_nested_rope_parameters_and_missing_layer_fields(exported: Path) -> None:
+    def edit(c: dict) -> None:
+        c["transformer_layer_config"]["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": 1.0}
+        }
+        del c["transformer_layer_config"]["head_dim"]
+
+    _break_config(exported, edit)
+    problems = validate_checkpoint(exported)
+    assert "config.json: transformer_layer_config is missing 'head_dim'" in problems
+    assert any("rope_parameters must be a flat object" in p for p in problems)
+
+
+def test_checks_against_the_verifier_config(exported: Path) -> None:
+    verifier = {
+        "hidden_size": 48,
+        "vocab_size": 512,
+        "num_hidden_layers": 3,
+        "architectures": ["LlamaForCausalLM"],
+    }
+    problems = validate_checkpoint(exported, verifier)
+    assert problems == [
+        "config.json: transformer_layer_config.hidden_size is 32, the verifier's is 48",
+        "config.json: eagle_aux_hidden_state_layer_ids [3] do not exist in the 3-layer verifier",
+    ]
+    ok = {"hidden_size": 32, "vocab_size": 512, "num_hidden_layers": 4, "architectures": ["LlamaForCausalLM"]}
+    assert validate_checkpoint(exported, ok) == []
+
+
+def test_corrupt_and_missing_files(tmp_path: Path, exported: Path) -> None:
+    (exported / "model.safetensors").write_bytes(b"not a safetensors file")
+    [problem] = validate_checkpoint(exported)
+    assert problem.startswith("model.safetensors: cannot be read")
+    assert validate_checkpoint(tmp_path / "nowhere") == [f"{tmp_path / 'nowhere'}: not a directory"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert validate_checkpoint(empty) == ["config.json: missing", "model.safetensors: missing"]
+
+
+def test_loading_a_broken_checkpoint_names_the_problem(exported: Path) -> None:
+    from peagle_core.model import PEagleDraftModel
+
+    _break_config(exported, lambda c: c.pop("mask_token_id"))
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        PEagleDraftModel.from_pretrained(exported)
+
+
+def test_cli_validate(exported: Path) -> None:
+    from peagle_core.cli import build_app
+
+    runner = CliRunner()
+    ok = runner.invoke(build_app(), ["export", "validate", str(exported)])
+    assert ok.exit_code == 0 and ok.output.strip() == "OK"
+    _break_tensors(exported, lambda t: t.pop("mask_hidden"))
+    _break_config(exported, lambda c: c.pop("mask_token_id"))
+    bad = runner.invoke(build_app(), ["export", "validate", str(exported)])
+    assert bad.exit_code == 1
+    assert bad.output.splitlines() == [
+        "config.json: missing required field 'mask_token_id'",
+        "model.safetensors: missing tensor 'mask_hidden'",
+    ]

@@ -1,0 +1,178 @@
+"""The P-EAGLE drafter: checkpoint names, gradient flow, overfitting, and draft/forward consistency."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from peagle_core.loss import fused_kl_loss, reference_kl_loss
+from peagle_core.model import PEagleConfig, PEagleDraftModel
+
+H, VOCAB, DRAFT_VOCAB = 32, 97, 40
+
+
+def tiny_model(seed: int = 0, num_layers: int = 2, num_depths: int = 4, **overrides) -> PEagleDraftModel:
+    torch.manual_seed(seed)
+    config = PEagleConfig(
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        num_layers=num_layers,
+        num_depths=num_depths,
+        aux_layer_ids=[2, 4, 5],
+        mask_token_id=VOCAB - 1,
+        **overrides,
+    )
+    model = PEagleDraftModel(config)
+    targets = torch.randperm(VOCAB - 1)[:DRAFT_VOCAB].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[targets] = True
+    norm = LlamaRMSNorm(H, eps=1e-6)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    model.load_verifier_head(norm, torch.randn(VOCAB, H), t2d, targets - torch.arange(DRAFT_VOCAB))
+    return model
+
+
+def packed_batch(seed: int = 0, lengths: tuple[int, ...] = (23, 17), pad: int = 5) -> SimpleNamespace:
+    g = torch.Generator().manual_seed(seed)
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)])
+    t = docs.numel()
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad, dtype=torch.long)])
+    loss_mask = (torch.rand(t, generator=g) < 0.8).long() * (docs >= 0)
+    return SimpleNamespace(
+        hidden_states=torch.randn(1, t, 3 * H, generator=g),
+        input_ids=torch.randint(0, VOCAB - 1, (1, t), generator=g),
+        verifier_last_hidden_states=torch.randn(1, t, H, generator=g),
+        loss_mask=loss_mask[None],
+        document_ids=docs[None],
+        position_ids=positions[None],
+    )
+
+
+def run(model: PEagleDraftModel, batch: SimpleNamespace, **kwargs):
+    return model(
+        batch.hidden_states,
+        batch.input_ids,
+        batch.verifier_last_hidden_states,
+        batch.loss_mask,
+        batch.document_ids,
+        position_ids=batch.position_ids,
+        **kwargs,
+    )
+
+
+def test_state_dict_is_the_checkpoint_contract() -> None:
+    model = tiny_model(num_layers=3)
+    names = set(model.state_dict())
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "mask_hidden", "d2t", "t2d"}
+    expected.add("layers.0.hidden_norm.weight")
+    for i in range(3):
+        for proj in ("q", "k", "v", "o"):
+            expected.add(f"layers.{i}.self_attn.{proj}_proj.weight")
+        for proj in ("gate", "up", "down"):
+            expected.add(f"layers.{i}.mlp.{proj}_proj.weight")
+        expected |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
+    assert names == expected
+    state = model.state_dict()
+    assert state["mask_hidden"].shape == (1, 1, 3 * H)
+    assert state["layers.0.self_attn.q_proj.weight"].shape == (32, 2 * H)
+    assert state["layers.1.self_attn.k_proj.weight"].shape == (16, H)
+    assert state["lm_head.weight"].shape == (DRAFT_VOCAB, H)
+    assert state["embed_tokens.weight"].shape == (VOCAB, H)
+    assert state["d2t"].dtype == torch.long and state["t2d"].dtype == torch.bool
+
+
+def test_config_from_verifier() -> None:
+    hf = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=12, vocab_size=500, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    )  # fmt: skip
+    cfg = PEagleConfig.from_verifier(hf, mask_token_id=3, draft_vocab_size=None)
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads) == (64, 16, 2)
+    assert cfg.aux_layer_ids == [2, 6, 9] and cfg.draft_vocab_size == 500
+    assert cfg.rope_parameters["rope_theta"] == 5e5 and cfg.num_depths == 4 and cfg.norm_before_residual
+    with pytest.raises(ValueError, match="mask_token_id"):
+        PEagleConfig.from_verifier(hf, mask_token_id=500)
+
+
+def test_gradient_reaches_every_parameter() -> None:
+    model = tiny_model()
+    out = run(model, packed_batch(), generator=torch.Generator().manual_seed(0))
+    assert int(out.metrics["positions_3"]) > 0
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
+    assert bool(model.embed_tokens.weight.grad[VOCAB - 1].abs().sum() > 0), "the mask token's embedding learns"
+
+
+def test_fused_loss_matches_reference() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(30, H, requires_grad=True)
+    weight = torch.randn(DRAFT_VOCAB, H, requires_grad=True)
+    teacher, teacher_w = torch.randn(12, H), torch.randn(DRAFT_VOCAB, H)
+    target, row_w = torch.randint(0, 12, (30,)), torch.rand(30)
+    fused = fused_kl_loss(hidden, weight, teacher, teacher_w, target, row_w).loss
+    ref = reference_kl_loss(hidden, weight, teacher, teacher_w, target, row_w)
+    g_fused = torch.autograd.grad(fused * 2, (hidden, weight))
+    g_ref = torch.autograd.grad(ref * 2, (hidden, weight))
+    torch.testing.assert_close(fused, ref)
+    for a, b in zip(g_fused, g_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_tiny_model_overfits_one_batch(norm_before_residual: bool) -> None:
+    model = tiny_model(norm_before_residual=norm_before_residual)
+    batch = packed_batch(lengths=(30,), pad=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses = []
+    for step in range(150):
+        out = run(model, batch, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss))
+    assert losses[-1] <= 0.1 * losses[0], (losses[0], losses[-1])
+    assert float(out.metrics["acc_0"]) > 0.9
+
+
+def test_draft_matches_training_forward() -> None:
+    model = tiny_model(seed=1).eval()
+    batch = packed_batch(seed=1, lengths=(26,), pad=0)
+    t, k = batch.input_ids.shape[1], 4
+    last = t - 1
+    cod = (
+        torch.cat([torch.arange(t), torch.full((k - 1,), last)]),
+        torch.cat([torch.zeros(t, dtype=torch.long), torch.arange(1, k)]),
+    )
+    with torch.no_grad():
+        out = run(model, batch, cod=cod, return_logits=True)
+    chain_rows = torch.cat([torch.tensor([last]), torch.arange(t, t + k - 1)])
+    expected = out.logits[chain_rows].argmax(-1)
+    expected = expected + model.d2t[expected]
+
+    drafted = model.draft(batch.hidden_states, batch.input_ids, k=k)
+    assert drafted.shape == (1, k)
+    assert drafted[0].tolist() == expected.tolist()
+    assert bool(model.t2d[drafted[0]].all()), "drafts are in the verifier vocabulary"
+
+    # Batched with left padding, every row drafts what it drafts alone.
+    short = 19
+    hidden = torch.zeros(2, t, 3 * H)
+    ids = torch.zeros(2, t, dtype=torch.long)
+    hidden[0], ids[0] = batch.hidden_states[0], batch.input_ids[0]
+    hidden[1, t - short :], ids[1, t - short :] = batch.hidden_states[0, :short], batch.input_ids[0, :short]
+    attn = torch.ones(2, t, dtype=torch.long)
+    attn[1, : t - short] = 0
+    both = model.draft(hidden, ids, attention_mask=attn, k=k)
+    alone = model.draft(batch.hidden_states[:, :short], batch.input_ids[:, :short], k=k)
+    assert both[0].tolist() == drafted[0].tolist()
+    assert both[1].tolist() == alone[0].tolist()

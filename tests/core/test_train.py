@@ -1,0 +1,226 @@
+"""The trainer: a full small run, cooperative stop, SIGKILL + resume equality, and sequence partitioning."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peagle_core.checkpoint import latest_checkpoint
+from peagle_core.export import validate_checkpoint
+from peagle_core.spec import JobSpec, parse_spec
+from peagle_core.train import train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_spec(verifier_dir: Path, data_path: Path, **training) -> JobSpec:
+    return parse_spec(
+        {
+            "verifier": {"name_or_path": str(verifier_dir)},
+            "dataset": {"path": str(data_path), "seq_len": 128, "val_fraction": 0.1},
+            "hidden_states": {"mode": "online"},
+            "model": {"num_layers": 1, "num_depths": 3, "draft_vocab_size": 256},
+            "training": {
+                "total_seq_len": 256,
+                "lr": 1e-3,
+                "warmup_ratio": 0.2,
+                "seed": 7,
+                **training,
+            },
+            "evaluation": {"prompts": 2, "max_new_tokens": 8, "speculative_tokens": [1, 3]},
+        }
+    )
+
+
+@pytest.fixture
+def spec_for(toy_verifier_dir: Path, toy_dataset_path: Path):
+    def build(**training) -> JobSpec:
+        return make_spec(toy_verifier_dir, toy_dataset_path, **training)
+
+    return build
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(latest_checkpoint(out / "checkpoints") / "model.safetensors"))
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_full_run_reports_checkpoints_evaluates_and_exports(
+    spec_for, prepared_dataset: Path, tmp_path: Path
+) -> None:
+    spec = spec_for(max_steps=4, checkpoint_every_steps=2, eval_every_steps=2, grad_accum=2)
+    metrics, events = [], []
+    result = train(
+        spec,
+        tmp_path / "run",
+        dataset_dir=prepared_dataset,
+        on_metrics=metrics.append,
+        on_event=lambda kind, msg, data: events.append(kind),
+    )
+    assert result.status == "completed" and result.step == 4
+
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    for m in steps:
+        assert m["total_steps"] == 4 and m["epoch"] == 0
+        assert {"acc_0", "acc_1", "acc_2", "lr", "tokens_per_s", "eta_s"} <= m.keys()
+        assert torch.isfinite(torch.tensor(m["loss"]))
+    assert steps[0]["lr"] < steps[1]["lr"]  # warmup, then cosine decay
+    assert steps[1]["lr"] > steps[3]["lr"]
+    evals = [m for m in metrics if "eval/acceptance_length@3" in m or "eval/acceptance_length@1" in m]
+    assert {m["step"] for m in evals} == {2, 4}
+    assert {"prepare", "hidden_states", "train", "eval", "export"} <= set(events)
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000004"
+    eval_json = json.loads((ckpts / "step_00000004" / "eval.json").read_text())
+    assert set(eval_json["results"]) == {"k=1", "k=3"}
+
+    assert result.export_dir == tmp_path / "run" / "export" / "step_4"
+    from transformers import AutoConfig
+
+    verifier_config = AutoConfig.from_pretrained(spec.verifier.name_or_path)
+    assert validate_checkpoint(result.export_dir, verifier_config) == []
+    assert (result.export_dir / "eval.json").is_file()
+    assert "eval/acceptance_length@3" in result.metrics
+
+
+def test_stop_then_resume_equals_an_uninterrupted_run(
+    spec_for, prepared_dataset: Path, tmp_path: Path
+) -> None:
+    spec = spec_for(max_steps=5, checkpoint_every_steps=100, eval_every_steps=None)
+    spec.evaluation.prompts = 1
+
+    ref = train(spec, tmp_path / "ref", dataset_dir=prepared_dataset)
+    assert ref.status == "completed"
+
+    seen = []
+    stopped = train(
+        spec,
+        tmp_path / "run",
+        dataset_dir=prepared_dataset,
+        on_metrics=seen.append,
+        should_stop=lambda: len(seen) >= 2,
+    )
+    assert stopped.status == "stopped" and stopped.step == 2 and stopped.export_dir is None
+    assert stopped.checkpoint_dir.name == "step_00000002"
+
+    resumed = train(spec, tmp_path / "run", dataset_dir=prepared_dataset)
+    assert resumed.status == "completed" and resumed.step == 5
+    assert_same_weights(final_weights(tmp_path / "ref"), final_weights(tmp_path / "run"))
+
+
+_KILL_SCRIPT = """
+import sys, threading
+from peagle_core.spec import load_spec
+from peagle_core.train import train
+
+spec = load_spec(sys.argv[1])
+stall_at = int(sys.argv[4])
+
+def on_metrics(m):
+    # Simulate a worker that hangs mid-run (after a checkpoint exists) until it is SIGKILLed.
+    if m.get("step") == stall_at:
+        print("STALLED", flush=True)
+        threading.Event().wait()
+
+train(spec, sys.argv[2], dataset_dir=sys.argv[3], on_metrics=on_metrics)
+"""
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(
+    spec_for, prepared_dataset: Path, tmp_path: Path
+) -> None:
+    spec = spec_for(max_steps=6, checkpoint_every_steps=2, grad_accum=2)
+    spec.evaluation.prompts = 1
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(spec.model_dump_json())
+    script = tmp_path / "run_train.py"
+    script.write_text(_KILL_SCRIPT)
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(spec_file), str(out), str(prepared_dataset), "3"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "latest").exists():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        assert proc.stdout.readline().strip() == "STALLED"  # past the step-2 checkpoint, before step 4's
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert latest_checkpoint(out / "checkpoints").name == "step_00000002"
+
+    # One thread, like the subprocess, so every run sums in the same order.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resumed = train(spec, out, dataset_dir=prepared_dataset)
+        reference = train(spec, tmp_path / "ref", dataset_dir=prepared_dataset)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed.status == "completed" and resumed.step == 6
+    assert reference.step == 6
+    assert_same_weights(final_weights(tmp_path / "ref"), final_weights(out))
+
+
+def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: Path, spec_for) -> None:
+    from peagle_core.data.packing import pack_bins
+
+    from peagle_core.data import PreparedDataset
+    from peagle_core.hidden_states import BatchLoader, make_source
+    from peagle_core.train import build_model, forward_backward
+
+    spec = spec_for()
+    ds = PreparedDataset.open(prepared_dataset)
+    torch.manual_seed(0)
+    model = build_model(spec, toy_verifier, ds, torch.device("cpu"))
+    bins = pack_bins(ds.lengths, 256, seed=0, epoch=0)
+    source = make_source("online", ds, verifier_factory=lambda: toy_verifier)
+    batch = next(iter(BatchLoader(ds, source, bins[:1], total_seq_len=256)))
+
+    def grads(num_segments: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        m = copy.deepcopy(model)
+        metrics = forward_backward(
+            m,
+            batch,
+            num_segments=num_segments,
+            num_depths=3,
+            cod_settings=(0.7, 0.2, None),
+            generator=torch.Generator().manual_seed(3),
+            scale=1.0,
+        )
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, metrics
+
+    whole, whole_metrics = grads(1)
+    parts, parts_metrics = grads(4)
+    assert whole.keys() == parts.keys() and len(whole) > 0
+    for name in whole:
+        torch.testing.assert_close(parts[name], whole[name], rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(parts_metrics["loss"], whole_metrics["loss"], rtol=1e-5, atol=1e-6)

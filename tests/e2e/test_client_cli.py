@@ -1,0 +1,289 @@
+"""The `peagle` client commands and SDK against a real API server (uvicorn on a local port).
+
+Errors come out as one line with a non-zero exit; checkpoint downloads resume through Range and
+verify every file's sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from service.cli import build_app
+from service.client import PeagleClient
+
+DATASET_ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+    }
+    for i in range(5)
+]
+
+
+@pytest.fixture
+def server_url(app: Any, redis_conn: Any) -> Iterator[str]:
+    """The app served by uvicorn in a thread on a free port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+@pytest.fixture
+def peagle(server_url: str, api_key: str, tmp_path: Path):
+    """Run `peagle ...` in-process against the server; returns (exit code, stdout, stderr)."""
+    runner = CliRunner()
+    # An empty PEAGLE_DATA_DIR: no key file from a real `peagle up` may leak into the test.
+    env = {"PEAGLE_URL": server_url, "PEAGLE_API_KEY": api_key, "PEAGLE_DATA_DIR": str(tmp_path / "nodata")}
+
+    def run(*args: str, key: str | None = None) -> tuple[int, str, str]:
+        result = runner.invoke(
+            build_app(), list(args), env={**env, **({"PEAGLE_API_KEY": key} if key else {})}
+        )
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return result.exit_code, result.stdout, result.stderr
+
+    return run
+
+
+@pytest.fixture
+def dataset_file(tmp_path: Path) -> Path:
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in DATASET_ROWS))
+    return path
+
+
+def write_spec(path: Path, settings: Any, dataset_id: str, **training: Any) -> Path:
+    verifier = Path(settings.allowed_model_roots[0]) / "verifier"
+    verifier.mkdir(exist_ok=True)
+    spec = {
+        "verifier": {"name_or_path": str(verifier)},
+        "dataset": {"id": dataset_id, "seq_len": 64},
+        "training": {"total_seq_len": 256, **training},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def test_upload_submit_list_get_logs_cancel(
+    peagle, dataset_file: Path, settings: Any, tmp_path: Path
+) -> None:
+    code, out, _ = peagle("datasets", "upload", str(dataset_file))
+    assert code == 0
+    dataset_id = out.strip()
+    assert dataset_id.startswith("ds_")
+    code, out, _ = peagle("datasets", "list")
+    assert code == 0 and dataset_id in out
+
+    spec = write_spec(tmp_path / "job.yaml", settings, dataset_id, max_steps=3)
+    code, out, err = peagle("jobs", "submit", str(spec))
+    assert code == 0, err
+    job_id = out.strip()
+    assert job_id.startswith("job_")
+
+    code, out, _ = peagle("jobs", "list")
+    assert code == 0 and job_id in out and "queued" in out
+    code, out, _ = peagle("jobs", "get", job_id)
+    job = json.loads(out)
+    assert job["status"] == "queued"
+    assert job["spec"]["training"]["max_steps"] == 3
+    assert job["spec"]["dataset"]["id"] == dataset_id
+
+    code, out, _ = peagle("jobs", "cancel", job_id)
+    assert code == 0 and out.strip() == f"{job_id}: cancelled"
+    code, out, _ = peagle("jobs", "logs", job_id)
+    assert code == 0
+    assert "cancelled" in out
+    # Following a finished job prints its events and ends; a cancelled job exits non-zero.
+    code, out, err = peagle("jobs", "logs", job_id, "--follow")
+    assert code == 1 and f"{job_id}: cancelled" in out
+    assert one_error_line(err) == f"error: job {job_id} cancelled"
+
+
+def test_errors_print_one_line_and_exit_nonzero(
+    peagle, dataset_file: Path, settings: Any, tmp_path: Path, other_api_key: str
+) -> None:
+    code, _, err = peagle("jobs", "get", "job_doesnotexist")
+    assert code == 1
+    assert "job_doesnotexist" in one_error_line(err) and "not_found]" in err
+
+    code, _, err = peagle("jobs", "list", key="peagle_sk_not-a-real-key")
+    assert code == 1
+    assert "invalid or revoked API key" in one_error_line(err)
+
+    # Validated locally: the message names the field and the exit is non-zero before any request.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump(
+            {"verifier": {"name_or_path": "/x"}, "dataset": {"id": "ds_x"}, "training": {"lr": -1}}
+        )
+    )
+    code, _, err = peagle("jobs", "submit", str(bad))
+    assert code == 1
+    assert "training.lr" in one_error_line(err)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("verifier:\n  name_or_path: [unclosed\n")
+    code, _, err = peagle("jobs", "submit", str(broken))
+    assert code == 1 and "line" in one_error_line(err)
+
+    # Valid locally, refused by the server: its message (naming the field) is what the user sees.
+    code, out, _ = peagle("datasets", "upload", str(dataset_file))
+    outside = tmp_path / "outside.yaml"
+    spec = yaml.safe_load(write_spec(tmp_path / "ok.yaml", settings, out.strip()).read_text())
+    spec["verifier"]["name_or_path"] = str(tmp_path / "elsewhere")
+    outside.write_text(yaml.safe_dump(spec))
+    code, _, err = peagle("jobs", "submit", str(outside))
+    assert code == 1
+    assert "spec.verifier.name_or_path" in one_error_line(err) or "allowed roots" in err
+
+    # Another project's job is invisible (404), not forbidden.
+    code, out, _ = peagle("jobs", "submit", str(tmp_path / "ok.yaml"))
+    job_id = out.strip()
+    code, _, err = peagle("jobs", "get", job_id, key=other_api_key)
+    assert code == 1 and "not_found]" in one_error_line(err)
+
+
+def test_bad_key_from_the_console_script_has_no_traceback(server_url: str, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PEAGLE_URL": server_url,
+        "PEAGLE_API_KEY": "peagle_sk_wrong",
+        "PEAGLE_DATA_DIR": str(tmp_path),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", "from service.cli import main; main()", "jobs", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "invalid or revoked API key" in one_error_line(proc.stderr)
+    assert proc.stdout == ""
+
+
+# -- checkpoint download -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def published_checkpoint(peagle, dataset_file: Path, settings: Any, tmp_path: Path) -> dict[str, Any]:
+    """A checkpoint published the way the worker does it: files under a key, then the DB row."""
+    from service.db.models import Checkpoint, Job
+    from service.db.session import session_scope
+    from worker.artifacts import ArtifactStore, manifest_sha256
+
+    _, out, _ = peagle("datasets", "upload", str(dataset_file))
+    _, out, _ = peagle("jobs", "submit", str(write_spec(tmp_path / "job.yaml", settings, out.strip())))
+    job_id = out.strip()
+    src = tmp_path / "export"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
+    (src / "model.safetensors").write_bytes(os.urandom(3 * (1 << 20) + 123))
+    store = ArtifactStore(settings.artifact_root)
+    with session_scope(settings.database_url) as session:
+        job = session.get(Job, job_id)
+        ckpt = Checkpoint(
+            job_id=job_id, project_id=job.project_id, step=7, uri="", files=[], sha256="", size=0
+        )
+        session.add(ckpt)
+        session.flush()
+        ckpt.uri = f"checkpoints/{ckpt.id}"
+        files = store.publish_dir(src, ckpt.uri)
+        ckpt.files, ckpt.sha256, ckpt.size = files, manifest_sha256(files), sum(f["size"] for f in files)
+        return {"id": ckpt.id, "job_id": job_id, "src": src, "store": store, "uri": ckpt.uri}
+
+
+def test_download_resumes_through_range(
+    server_url: str, api_key: str, published_checkpoint: dict, tmp_path: Path
+) -> None:
+    src: Path = published_checkpoint["src"]
+    data = (src / "model.safetensors").read_bytes()
+    out = tmp_path / "dl"
+    out.mkdir()
+    have = len(data) // 3
+    (out / "model.safetensors.part").write_bytes(data[:have])  # an interrupted earlier download
+
+    seen: list[tuple[int, str | None]] = []
+    http = httpx.Client(
+        base_url=server_url,
+        event_hooks={"response": [lambda r: seen.append((r.status_code, r.request.headers.get("range")))]},
+    )
+    with PeagleClient(server_url, api_key, http=http) as client:
+        ckpt = client.list_checkpoints(published_checkpoint["job_id"])["data"][0]
+        assert ckpt["id"] == published_checkpoint["id"] and ckpt["step"] == 7
+        received = []
+        client.download_checkpoint(ckpt["id"], out, on_bytes=received.append)
+
+    assert (out / "model.safetensors").read_bytes() == data
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert not (out / "model.safetensors.part").exists()
+    assert (206, f"bytes={have}-") in seen
+    # Only the missing bytes crossed the wire (plus the config file).
+    assert sum(received) == len(data) + (src / "config.json").stat().st_size
+
+
+def test_download_discards_a_corrupt_partial_and_verifies(
+    peagle, published_checkpoint: dict, tmp_path: Path
+) -> None:
+    data = (published_checkpoint["src"] / "model.safetensors").read_bytes()
+    out = tmp_path / "dl"
+    out.mkdir()
+    (out / "model.safetensors.part").write_bytes(b"\0" * 1000)  # wrong bytes: resuming would corrupt
+    code, stdout, err = peagle("checkpoints", "download", published_checkpoint["id"], "--out", str(out))
+    assert code == 0, err
+    assert (out / "model.safetensors").read_bytes() == data
+
+    code, stdout, _ = peagle("checkpoints", "list", published_checkpoint["job_id"])
+    assert code == 0 and published_checkpoint["id"] in stdout
+
+
+def test_download_refuses_bytes_that_do_not_match_the_published_sha256(
+    peagle, published_checkpoint: dict, tmp_path: Path
+) -> None:
+    store = published_checkpoint["store"]
+    stored = store.local_path(f"{published_checkpoint['uri']}/model.safetensors")
+    raw = bytearray(stored.read_bytes())
+    raw[100] ^= 0xFF  # bit rot on the server: same size, different bytes
+    stored.write_bytes(bytes(raw))
+    out = tmp_path / "dl"
+    code, _, err = peagle("checkpoints", "download", published_checkpoint["id"], "--out", str(out))
+    assert code == 1
+    assert "model.safetensors" in one_error_line(err) and "sha256" in err
+    assert not (out / "model.safetensors").exists()

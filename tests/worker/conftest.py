@@ -1,0 +1,167 @@
+"""Worker test helpers: submit jobs through crud + the real queue, run real `peagle worker` subprocesses,
+and poll the database (with a deadline) for the states the tests wait on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PEAGLE = [sys.executable, "-c", "from service.cli import main; main()"]
+
+
+def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str, Any]:
+    """A job spec that trains a one-layer drafter on the toy verifier in a few seconds."""
+    spec: dict[str, Any] = {
+        "verifier": {"name_or_path": str(verifier_dir)},
+        "dataset": {"path": str(data_path), "seq_len": 128, "val_fraction": 0.1},
+        "hidden_states": {"mode": "online"},
+        "model": {"num_layers": 1, "num_depths": 2, "draft_vocab_size": 256},
+        "training": {
+            "total_seq_len": 256,
+            "lr": 1e-3,
+            "max_steps": 4,
+            "checkpoint_every_steps": 2,
+            "seed": 3,
+        },
+        "evaluation": {"prompts": 2, "max_new_tokens": 8},
+    }
+    for section, values in overrides.items():
+        spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
+    return spec
+
+
+class Stack:
+    """The test's view of the service: database sessions, Redis, and worker subprocesses."""
+
+    def __init__(self, settings: Any, redis: Any, tmp_path: Path):
+        from service.crud.projects import get_or_create_project
+        from service.db.session import session_factory
+
+        self.settings = settings
+        self.redis = redis
+        self.tmp_path = tmp_path
+        self.sessions = session_factory(settings.database_url)
+        with self.sessions() as s:
+            self.project_id = get_or_create_project(s, f"worker-tests-{os.getpid()}").id
+            s.commit()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.env = {
+            **os.environ,
+            "PEAGLE_DATA_DIR": str(settings.data_dir),
+            "PEAGLE_DATABASE_URL": settings.database_url,
+            "PEAGLE_REDIS_URL": settings.redis_url,
+            "PEAGLE_ARTIFACT_ROOT": settings.artifact_root,
+            "PEAGLE_WORKER_HEARTBEAT_S": "1",
+            "PEAGLE_CANCEL_GRACE_S": str(settings.cancel_grace_s),
+            "PYTHONPATH": str(REPO),
+        }
+
+    def submit(self, spec: dict[str, Any], *, enqueue: bool = True) -> str:
+        from service.crud.jobs import create_job
+        from service.queue import enqueue_run
+
+        with self.sessions() as s:
+            job = create_job(s, self.project_id, spec, max_attempts=self.settings.max_attempts)
+            s.commit()
+            job_id = job.id
+        if enqueue:
+            enqueue_run(self.redis, job_id, "default", self.settings.job_timeout_s)
+        return job_id
+
+    def worker(self, *args: str, log_name: str = "worker") -> subprocess.Popen[bytes]:
+        log = open(self.tmp_path / f"{log_name}-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [*PEAGLE, "worker", "--no-reconcile", *args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def run_burst(self, timeout: float = 300) -> None:
+        proc = self.worker("--burst")
+        proc.wait(timeout=timeout)
+
+    def job(self, job_id: str) -> Any:
+        from service.db.models import Job
+
+        with self.sessions() as s:
+            job = s.get(Job, job_id)
+            s.expunge(job)
+            return job
+
+    def events(self, job_id: str) -> list[Any]:
+        from sqlalchemy import select
+
+        from service.db.models import JobEvent
+
+        with self.sessions() as s:
+            rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+            s.expunge_all()
+            return list(rows)
+
+    def metrics(self, job_id: str) -> list[dict[str, Any]]:
+        from sqlalchemy import select
+
+        from service.db.models import JobMetric
+
+        with self.sessions() as s:
+            rows = s.scalars(select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.id)).all()
+            return [dict(r.values, step=r.step) for r in rows]
+
+    def checkpoints(self, job_id: str) -> list[Any]:
+        from sqlalchemy import select
+
+        from service.db.models import Checkpoint
+
+        with self.sessions() as s:
+            rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)).all()
+            s.expunge_all()
+            return list(rows)
+
+    def wait_for(self, what: str, cond: Callable[[], Any], timeout: float = 240, every: float = 0.2) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = cond()
+            if value:
+                return value
+            for p in self.procs:
+                if p.poll() not in (None, 0):
+                    raise AssertionError(f"a worker exited with {p.returncode} while waiting for {what}")
+            time.sleep(every)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def wait_status(self, job_id: str, *statuses: str, timeout: float = 240) -> Any:
+        return self.wait_for(
+            f"{job_id} to be {statuses}", lambda: (j := self.job(job_id)).status in statuses and j
+        )
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def stack(make_settings: Callable[..., Any], redis_conn: Any, tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(make_settings(worker_heartbeat_s=1.0, cancel_grace_s=60.0), redis_conn, tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop_all()

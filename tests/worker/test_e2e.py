@@ -1,0 +1,207 @@
+"""End to end through real worker subprocesses: a job is claimed, trained, evaluated and published."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from tests.worker.conftest import PEAGLE, REPO, Stack, toy_spec
+from worker.artifacts import ArtifactStore, manifest_sha256
+
+
+def test_job_succeeds_and_publishes_a_valid_checkpoint(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path
+) -> None:
+    job_id = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path))
+    stack.run_burst()
+    job = stack.job(job_id)
+    assert job.status == "succeeded", (job.error, [e.message for e in stack.events(job_id)])
+    assert job.attempt == 1
+    assert job.progress["stage"] == "done"
+
+    stages = [e.data["stage"] for e in stack.events(job_id) if e.type == "stage"]
+    for stage in ("prepare", "train", "eval", "export"):
+        assert stage in stages
+
+    metrics = stack.metrics(job_id)
+    assert any("eval/acceptance_length@2" in m for m in metrics)
+    train_steps = sorted({m["step"] for m in metrics if "loss" in m})
+    assert train_steps == [1, 2, 3, 4]
+
+    (ckpt,) = stack.checkpoints(job_id)
+    assert ckpt.step == 4
+    assert ckpt.sha256 == manifest_sha256(ckpt.files)
+    store = ArtifactStore(stack.settings.artifact_root)
+    assert store.verify_files(ckpt.uri, ckpt.files) == []
+    # Download it the way a client would (file by file) and validate it with the CLI.
+    out = tmp_path / "download"
+    for f in ckpt.files:
+        dest = out / f["name"]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(b"".join(store.iter_range(f"{ckpt.uri}/{f['name']}")))
+    res = subprocess.run([*PEAGLE, "export", "validate", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_missing_verifier_fails_with_a_clear_code(
+    stack: Stack, toy_dataset_path: Path, tmp_path: Path
+) -> None:
+    job_id = stack.submit(toy_spec(tmp_path / "no-such-verifier", toy_dataset_path))
+    stack.run_burst()
+    job = stack.job(job_id)
+    assert job.status == "failed"
+    assert job.error["code"] == "verifier_not_found"
+    assert "no-such-verifier" in job.error["message"]
+    assert "Traceback" not in job.error["message"]
+    assert stack.checkpoints(job_id) == []
+
+
+def test_two_workers_racing_for_one_job_run_it_once(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    from rq import Queue
+
+    job_id = stack.submit(
+        toy_spec(toy_verifier_dir, toy_dataset_path, training={"max_steps": 2}), enqueue=False
+    )
+    # Two deliveries of the same job (as after a duplicate enqueue) to two workers started together.
+    q = Queue("default", connection=stack.redis)
+    for rq_id in ("dup-a", "dup-b"):
+        q.enqueue_call("worker.tasks.run_job", args=(job_id,), job_id=rq_id)
+    a, b = stack.worker("--burst"), stack.worker("--burst")
+    a.wait(timeout=300)
+    b.wait(timeout=300)
+    job = stack.job(job_id)
+    assert job.status == "succeeded"
+    assert job.attempt == 1
+    events = stack.events(job_id)
+    assert [e.data["status"] for e in events if e.type == "status"] == ["queued", "running", "succeeded"]
+    assert sum("skipped the job" in e.message for e in events) == 1
+    assert len(stack.checkpoints(job_id)) == 1
+
+
+def test_jobs_survive_a_redis_flush(stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path) -> None:
+    from worker.reconcile import reconcile_once
+
+    spec = toy_spec(toy_verifier_dir, toy_dataset_path, training={"max_steps": 2})
+    jobs = [stack.submit(spec), stack.submit(spec)]
+    stack.redis.flushdb()
+    report = reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0)
+    assert sorted(report.reenqueued) == sorted(jobs)
+    # A second pass finds them queued in RQ and does nothing.
+    assert not reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0)
+    stack.run_burst()
+    for job_id in jobs:
+        job = stack.job(job_id)
+        assert job.status == "succeeded"
+        assert job.attempt == 1
+        statuses = [e.data["status"] for e in stack.events(job_id) if e.type == "status"]
+        assert statuses.count("running") == 1
+
+
+def test_cancel_during_training_saves_a_checkpoint(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    from service.db import jobstate
+
+    spec = toy_spec(
+        toy_verifier_dir,
+        toy_dataset_path,
+        training={"max_steps": 500, "checkpoint_every_steps": 1000, "epochs": 50},
+    )
+    job_id = stack.submit(spec)
+    stack.worker()
+    stack.wait_for("training steps", lambda: (stack.job(job_id).progress or {}).get("step", 0) >= 2)
+    with stack.sessions() as s:
+        assert jobstate.transition(s, job_id, "cancelling", expect=("running",), event="cancel requested")
+    job = stack.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=120)
+    assert job.status == "cancelled"
+    (event,) = [e for e in stack.events(job_id) if e.type == "status" and e.data["status"] == "cancelled"]
+    step = event.data["step"]
+    assert event.data["checkpoint_saved"] is True
+    assert f"checkpoint saved at step {step}" in event.message
+    assert step < 500
+    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work" / "checkpoints"
+    assert (work / "latest").read_text().strip().endswith(f"{step:08d}")
+    assert stack.checkpoints(job_id) == []  # nothing published after a cancel
+
+
+def test_sigkilled_worker_resumes_from_its_last_checkpoint(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    import os
+    import signal
+
+    import psutil
+
+    from worker.reconcile import reconcile_once
+    from worker.runner import latest_checkpoint_step
+
+    spec = toy_spec(
+        toy_verifier_dir,
+        toy_dataset_path,
+        training={"max_steps": 10, "checkpoint_every_steps": 2, "epochs": 10},
+    )
+    job_id = stack.submit(spec)
+    worker = stack.worker()
+    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work"
+    stack.wait_for("a training checkpoint", lambda: (latest_checkpoint_step(work) or 0) >= 2, timeout=300)
+    horses = psutil.Process(worker.pid).children(recursive=True)
+    for p in [*horses, psutil.Process(worker.pid)]:
+        os.kill(p.pid, signal.SIGKILL)
+    worker.wait()
+    stack.procs.remove(worker)
+    saved = latest_checkpoint_step(work)
+    assert saved is not None and saved < 10
+    assert stack.job(job_id).status == "running"
+
+    report = stack.wait_for(
+        "the reconciler to notice the dead worker",
+        lambda: reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0).requeued,
+        timeout=60,
+        every=1.0,
+    )
+    assert report == [job_id]
+    assert stack.job(job_id).status == "queued"
+    stack.run_burst()
+
+    job = stack.job(job_id)
+    assert job.status == "succeeded", job.error
+    assert job.attempt == 2
+    resumed = [e for e in stack.events(job_id) if e.data and e.data.get("resume_step") is not None]
+    assert resumed and resumed[0].data["resume_step"] >= saved
+    second = [m["step"] for m in stack.metrics(job_id) if m.get("attempt") == 2 and "loss" in m]
+    assert min(second) == resumed[0].data["resume_step"] + 1  # not from step 0
+    assert max(second) == 10
+    store = ArtifactStore(stack.settings.artifact_root)
+    for ckpt in stack.checkpoints(job_id):
+        assert store.verify_files(ckpt.uri, ckpt.files) == []
+
+
+def test_offline_and_hybrid_jobs_fill_the_cache(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    import json
+
+    offline = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path, hidden_states={"mode": "offline"}))
+    hybrid = stack.submit(
+        toy_spec(
+            toy_verifier_dir,
+            toy_dataset_path,
+            hidden_states={"mode": "hybrid"},
+            training={"epochs": 2, "max_steps": None, "checkpoint_every_steps": 1000},
+        )
+    )
+    stack.run_burst(timeout=600)
+    for job_id in (offline, hybrid):
+        job = stack.job(job_id)
+        assert job.status == "succeeded", job.error
+        stages = [e.data["stage"] for e in stack.events(job_id) if e.type == "stage"]
+        assert "hidden_states" in stages
+        (cache_event,) = [
+            e for e in stack.events(job_id) if e.data and e.data.get("stage") == "hidden_states"
+        ][:1]
+        manifest = json.loads((Path(cache_event.data["cache_dir"]) / "manifest.json").read_text())
+        assert manifest["shards"], "the cache was filled"
+    epochs = {m.get("epoch") for m in stack.metrics(hybrid) if "loss" in m}
+    assert epochs == {0, 1}

@@ -1,0 +1,26 @@
+"""The RQ entry point: `worker.tasks.run_job(job_id)` runs in the forked work horse."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+
+def worker_identity() -> str:
+    """The name this process records as `jobs.worker_name`: the RQ worker's name inside a horse."""
+    return os.environ.get("RQ_WORKER_ID") or f"{socket.gethostname()}.{os.getpid()}"
+
+
+def run_job(job_id: str) -> str:
+    """Run one attempt of `job_id` and return its status afterwards ("skipped" when it was not queued).
+
+    Failures are recorded on the job (status failed, `{code, message}`), so RQ sees a normal return.
+    """
+    from service.settings import get_settings
+    from worker.runner import JobRunner
+
+    # The RQ parent never opens a database connection (worker.main), so the horse starts with none.
+    return JobRunner(get_settings(), job_id, worker_identity()).run()
