@@ -174,7 +174,9 @@ def quantize(record: HiddenRecord, dtype: str) -> HiddenRecord:
     """The record as it reads back from a cache of `dtype` (encode then decode)."""
     if dtype == "fp32":
         return HiddenRecord(record.aux.float(), record.last.float())
-    return HiddenRecord(decode_rows(*encode_rows(record.aux, dtype)), decode_rows(*encode_rows(record.last, dtype)))
+    return HiddenRecord(
+        decode_rows(*encode_rows(record.aux, dtype)), decode_rows(*encode_rows(record.last, dtype))
+    )
 
 
 def bytes_per_token(dtype: str, aux_dim: int, last_dim: int) -> int:

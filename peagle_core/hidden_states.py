@@ -168,8 +168,13 @@ class HybridSource(HiddenStateSource):
         if fingerprint is None:
             # Without a precomputed fingerprint the verifier must be loaded to check the cache is ours.
             fingerprint = CacheFingerprint.of(self.compute.verifier, dataset)
+        where = getattr(dataset, "path", None)
         self.cache = HiddenStateCache.create(
-            cache_dir, fingerprint, dtype=dtype, num_dataset_samples=len(dataset)
+            cache_dir,
+            fingerprint,
+            dtype=dtype,
+            num_dataset_samples=len(dataset),
+            dataset_dir=str(Path(where).resolve()) if where is not None else None,
         )
         self.max_cache_bytes = max_cache_bytes
         self.shard_bytes = shard_bytes
@@ -225,7 +230,9 @@ class HybridSource(HiddenStateSource):
         todo = [i for i in samples if i not in known]
         records = dict(known)
         if todo:
-            records.update((i, quantize(r, self.cache.dtype)) for i, r in zip(todo, self.compute(todo), strict=True))
+            records.update(
+                (i, quantize(r, self.cache.dtype)) for i, r in zip(todo, self.compute(todo), strict=True)
+            )
         items = [(i, records[i], self.dataset[i][0]) for i in samples]
         self.cache.write_shard(items, name=shard)
         self.repaired_shards += 1

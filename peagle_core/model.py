@@ -377,7 +377,7 @@ class PEagleDraftModel(nn.Module):
             )
         anchor_pos, depth = cod[0].to(device), cod[1].to(device)
         target = anchor_pos + depth
-        counts = torch.bincount(depth[loss_mask[target] == 1], minlength=cfg.num_depths)
+        counts = torch.bincount(depth[_is_loss_target(loss_mask, target)], minlength=cfg.num_depths)
         active_depths = (counts > 0).sum().clamp_min(1)
 
         if segment is not None:
@@ -395,7 +395,7 @@ class PEagleDraftModel(nn.Module):
             }
             return DraftOutput(zero, empty, None, anchor_pos, depth)
         out = self._trunk(hidden_states[0], input_ids[0], positions, docs, anchor_pos, depth)
-        is_loss = in_segment & (loss_mask[target] == 1)
+        is_loss = in_segment & _is_loss_target(loss_mask, target)
         rows = torch.nonzero(is_loss).flatten()
         row_depth = depth[rows]
         # Each depth weighs the same: mean KL per depth (global counts), averaged over depths.
@@ -477,6 +477,12 @@ class PEagleDraftModel(nn.Module):
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()).to(weight.dtype)
+
+
+def _is_loss_target(loss_mask: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Rows whose target lies inside the sequence on a loss position (rows past the end never count)."""
+    inside = target < loss_mask.numel()
+    return inside & (loss_mask[target.clamp_max(loss_mask.numel() - 1)] == 1)
 
 
 def _run_starts(docs: torch.Tensor) -> torch.Tensor:

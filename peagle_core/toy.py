@@ -84,7 +84,7 @@ class ToySize:
 
 SIZES: dict[str, ToySize] = {
     "test": ToySize(512, 64, 4, 4, 2, 128, 128, 8, 60, 3e-3, 600),
-    "default": ToySize(4096, 256, 4, 4, 4, 688, 256, 16, 500, 1.5e-3, None),
+    "default": ToySize(4096, 256, 4, 4, 4, 512, 256, 8, 120, 2e-3, None),
 }
 
 

@@ -172,7 +172,9 @@ class Verifier:
         self._captured_last = None
         with torch.inference_mode():
             if want_logits:
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+                out = self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+                )
                 logits = out.logits
             else:
                 # the base model alone: skips the lm_head, which is the largest matmul for big vocabularies

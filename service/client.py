@@ -239,23 +239,24 @@ class PeagleClient:
         partial download is discarded and fetched again once.
         """
         dest = Path(dest)
-        if dest.exists() and dest.stat().st_size == size and sha256_file(dest) == sha256:
+        if _matches(dest, size, sha256):
             if on_bytes is not None:
                 on_bytes(size)
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
-        for attempt in range(2):
-            self._fetch_into(checkpoint_id, name, part, size, on_bytes)
-            if part.stat().st_size == size and sha256_file(part) == sha256:
-                os.replace(part, dest)
-                return dest
+        self._fetch_into(checkpoint_id, name, part, size, on_bytes)
+        if not _matches(part, size, sha256):
+            # Resuming cannot repair a partial file whose bytes were wrong: start over, once.
             part.unlink()
-            if attempt == 1:
+            self._fetch_into(checkpoint_id, name, part, size, on_bytes)
+            if not _matches(part, size, sha256):
+                part.unlink()
                 raise ChecksumMismatch(
                     f"{name}: downloaded bytes do not match the published sha256 {sha256[:12]}…", param=name
                 )
-        raise AssertionError("unreachable")
+        os.replace(part, dest)
+        return dest
 
     def _fetch_into(
         self,
@@ -312,3 +313,7 @@ class PeagleClient:
                 on_bytes=on_bytes,
             )
         return out
+
+
+def _matches(path: Path, size: int, sha256: str) -> bool:
+    return path.is_file() and path.stat().st_size == size and sha256_file(path) == sha256

@@ -240,12 +240,13 @@ class EmbeddedStack:
     def stop(self) -> dict[str, int | None]:
         """Stop the worker (it checkpoints and re-queues its job), then the API, then Redis."""
         self._stop.set()
-        with contextlib.suppress(FileNotFoundError):
-            (self.data_dir / URL_FILE).unlink()
         codes = {c.name: c.stop(self.stop_timeout_s) for c in reversed(self.children)}
         if self._redis is not None:
             self._stop_redis()
+        # Only the holder of the lock owns the data dir's url file (a refused second `up` must not touch it).
         if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                (self.data_dir / URL_FILE).unlink()
             os.close(self._lock_fd)
             self._lock_fd = None
         return codes

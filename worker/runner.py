@@ -191,7 +191,7 @@ class JobRunner:
                 session,
                 self.job_id,
                 "cancelled",
-                expect=ACTIVE,
+                expect=("cancelling",),
                 event=message,
                 event_data={"step": step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
             )

@@ -17,12 +17,16 @@ def has_generation_markers(tokenizer: Any) -> bool:
     template = tokenizer.chat_template
     if isinstance(template, dict):
         template = template.get("default", "")
-    return isinstance(template, str) and "{% generation %}" in template.replace("{%- generation", "{% generation")
+    return isinstance(template, str) and "{% generation %}" in template.replace(
+        "{%- generation", "{% generation"
+    )
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
     """The chat template applied to `messages`, as text."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -45,7 +49,9 @@ def _mask_by_prefixes(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[l
         if message["role"] != "assistant":
             continue
         # common-prefix lengths, not raw lengths: robust to a tokenizer merging across a turn boundary
-        start = _common_prefix(ids, encode(tokenizer, render(tokenizer, messages[:i], add_generation_prompt=True)))
+        start = _common_prefix(
+            ids, encode(tokenizer, render(tokenizer, messages[:i], add_generation_prompt=True))
+        )
         end = _common_prefix(ids, encode(tokenizer, render(tokenizer, messages[: i + 1])))
         for t in range(start, end):
             mask[t] = 1

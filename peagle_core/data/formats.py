@@ -90,7 +90,8 @@ def _turns(obj: dict[str, Any], fmt: Format, line: int) -> list[dict[str, str]]:
         if fmt == "messages":
             if role not in ROLES:
                 raise DataError(
-                    f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})", param=f"line {line}"
+                    f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})",
+                    param=f"line {line}",
                 )
         else:
             if role.lower() not in SHAREGPT_ROLES:
@@ -167,7 +168,9 @@ def iter_rows(source: str | Path | IO[bytes] | IO[str], fmt: str = "auto") -> It
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataError(f"line {n}: malformed JSON ({exc.msg} at column {exc.colno})", param=f"line {n}") from exc
+            raise DataError(
+                f"line {n}: malformed JSON ({exc.msg} at column {exc.colno})", param=f"line {n}"
+            ) from exc
         if resolved is None:
             resolved = detect_format(obj)
             if resolved is None:
@@ -185,7 +188,8 @@ def validate_jsonl(source: str | Path | IO[bytes] | IO[str] | bytes, fmt: str = 
         source = io.BytesIO(source)
     rows = assistant = 0
     resolved: Format | None = None
-    for resolved, row in iter_rows(source, fmt):
+    for fmt_seen, row in iter_rows(source, fmt):
+        resolved = fmt_seen
         rows += 1
         if row.messages is not None:
             assistant += sum(m["role"] == "assistant" for m in row.messages)
@@ -198,7 +202,8 @@ def read_rows(source: str | Path, fmt: str = "auto", max_rows: int | None = None
     """All rows of a JSONL file (the first `max_rows`), and its format."""
     rows: list[Row] = []
     resolved: Format | None = None
-    for resolved, row in iter_rows(source, fmt):
+    for fmt_seen, row in iter_rows(source, fmt):
+        resolved = fmt_seen
         rows.append(row)
         if max_rows is not None and len(rows) >= max_rows:
             break

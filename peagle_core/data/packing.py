@@ -147,7 +147,10 @@ def collate(
     """
     if len(samples) != len(records):
         raise ValueError(f"{len(samples)} samples but {len(records)} hidden-state records")
-    docs = [align_document(ids, mask, rec.aux, rec.last) for (ids, mask), rec in zip(samples, records, strict=True)]
+    docs = [
+        align_document(ids, mask, rec.aux, rec.last)
+        for (ids, mask), rec in zip(samples, records, strict=True)
+    ]
     used = sum(d.input_ids.shape[0] for d in docs)
     if used > total_seq_len:
         raise DataError(f"{used} aligned tokens do not fit total_seq_len={total_seq_len}")

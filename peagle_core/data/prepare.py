@@ -80,7 +80,9 @@ def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote
     name = str(local) if local.is_dir() else verifier
     try:
         config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, revision=revision, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise VerifierError(f"cannot load the tokenizer of verifier {verifier!r}: {exc}") from exc
     if not tokenizer.chat_template:
@@ -108,8 +110,12 @@ def prepare_dataset(
         raise DataError(f"seq_len must be >= {_UNTRAINABLE_PREFIX + 1}, got {seq_len}", param="seq_len")
     data_path = Path(data_path)
     if not data_path.is_file():
-        raise DataError(f"dataset file {str(data_path)!r} does not exist", code="dataset_not_found", param="data")
-    tokenizer, config, verifier_dir = _load_tokenizer_and_config(str(verifier_path), revision, trust_remote_code)
+        raise DataError(
+            f"dataset file {str(data_path)!r} does not exist", code="dataset_not_found", param="data"
+        )
+    tokenizer, config, verifier_dir = _load_tokenizer_and_config(
+        str(verifier_path), revision, trust_remote_code
+    )
     vocab_size = int(config.vocab_size)
     source_format, rows = read_rows(data_path, fmt, max_samples)
 
@@ -179,7 +185,13 @@ def prepare_dataset(
 class PreparedDataset:
     """A prepared dataset directory, held in memory: samples are unaligned `(input_ids, loss_mask)`."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any], tokens: dict[str, torch.Tensor], vocab: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        tokens: dict[str, torch.Tensor],
+        vocab: dict[str, torch.Tensor],
+    ):
         self.path = path
         self.manifest = manifest
         self._input_ids = tokens["input_ids"]
@@ -198,7 +210,9 @@ class PreparedDataset:
             tokens = load_file(str(path / TOKENS))
             vocab = load_file(str(path / VOCAB))
         except (OSError, json.JSONDecodeError, SafetensorError) as exc:
-            raise DataError(f"{path}: not a readable prepared dataset ({exc})", code="dataset_corrupt") from exc
+            raise DataError(
+                f"{path}: not a readable prepared dataset ({exc})", code="dataset_corrupt"
+            ) from exc
         if manifest.get("format_version") != FORMAT_VERSION:
             raise DataError(
                 f"{path}: prepared-dataset format {manifest.get('format_version')} is not {FORMAT_VERSION}",

@@ -15,7 +15,9 @@ def token_counts(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: i
     return torch.bincount(targets, minlength=vocab_size)[:vocab_size]
 
 
-def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def build_draft_vocab(
+    counts: torch.Tensor, draft_vocab_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(d2t int64 [draft], t2d bool [vocab])` keeping the `draft_vocab_size` most frequent ids.
 
     Ties (including never-seen ids when the data has fewer distinct targets) go to the lower id, so the

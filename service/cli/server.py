@@ -56,7 +56,9 @@ def keys_create(
     with session_scope(get_settings().database_url) as session:
         key, row = create_key(session, project)
         typer.echo(key)
-        typer.secho(f"project {project} ({row.project_id}); store this key now, it is not shown again", err=True)
+        typer.secho(
+            f"project {project} ({row.project_id}); store this key now, it is not shown again", err=True
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -47,4 +47,11 @@ def up(
         raise
     typer.echo("stopping: the worker checkpoints its job, then the API and Redis stop…", err=True)
     codes = stack.stop()
-    typer.echo(f"stopped ({', '.join(f'{k} exit {v}' for k, v in codes.items())})", err=True)
+    typer.echo(f"stopped ({', '.join(f'{name} {_how(code)}' for name, code in codes.items())})", err=True)
+
+
+def _how(code: int | None) -> str:
+    # uvicorn re-raises the signal it handled, so a clean API stop reads as "ended by SIGTERM".
+    if code is not None and code < 0:
+        return f"ended by {signal.Signals(-code).name}"
+    return f"exit {code}"

@@ -36,10 +36,14 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    # A short connect timeout turns "database down" into a prompt 503 instead of a hung request.
-    kwargs.setdefault("pool_pre_ping", True)
+    # No pool_pre_ping: it costs a round trip per request; a dead pooled connection instead fails one
+    # request with a 503 and is discarded (pool_recycle bounds its age). The overflow covers the API's
+    # 40 threadpool workers so threads never queue for a connection.
     kwargs.setdefault("pool_size", 10)
-    kwargs.setdefault("max_overflow", 20)
+    kwargs.setdefault("max_overflow", 40)
+    kwargs.setdefault("pool_recycle", 1800)
+    kwargs.setdefault("pool_timeout", 10)
+    # A short connect timeout turns "database down" into a prompt 503 instead of a hung request.
     if parsed.get_backend_name() == "postgresql":
         kwargs.setdefault("connect_args", {"connect_timeout": 5})
     return create_engine(url, **kwargs)

@@ -23,7 +23,10 @@ def spec(settings: Any) -> dict[str, Any]:
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text("{}")
     data = Path(settings.allowed_data_roots[0]) / "chat.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        + "\n"
+    )
     return {
         "verifier": {"name_or_path": str(model_dir)},
         "dataset": {"path": str(data), "seq_len": 64},

@@ -12,7 +12,11 @@ from service.crud.checkpoints import add_checkpoint
 from service.db.session import session_factory
 from tests.api.conftest import create_job
 
-FILES = {"config.json": b'{"a": 1}\n', "model.safetensors": bytes(range(256)) * 40, "README.md": b"# drafter\n"}
+FILES = {
+    "config.json": b'{"a": 1}\n',
+    "model.safetensors": bytes(range(256)) * 40,
+    "README.md": b"# drafter\n",
+}
 
 
 @pytest.fixture
@@ -27,9 +31,17 @@ def checkpoint(client, auth, spec, settings, db_url, tmp_path) -> dict:
     store = ArtifactStore(settings.artifact_root)
     files = store.publish_dir(src, f"checkpoints/ckpt_{job['id'][4:]}")
     with session_factory(db_url)() as s:
-        row = add_checkpoint(s, job_id=job["id"], project_id=_project_of(s, job["id"]), step=2,
-                             uri=f"checkpoints/ckpt_{job['id'][4:]}", files=files, sha256=manifest_sha256(files),
-                             metrics={"acceptance_length": 2.1}, checkpoint_id=f"ckpt_{job['id'][4:]}")
+        row = add_checkpoint(
+            s,
+            job_id=job["id"],
+            project_id=_project_of(s, job["id"]),
+            step=2,
+            uri=f"checkpoints/ckpt_{job['id'][4:]}",
+            files=files,
+            sha256=manifest_sha256(files),
+            metrics={"acceptance_length": 2.1},
+            checkpoint_id=f"ckpt_{job['id'][4:]}",
+        )
         s.commit()
         return {"id": row.id, "job_id": job["id"]}
 
@@ -44,7 +56,9 @@ def test_list_and_inspect(client, auth, checkpoint) -> None:
     listed = client.get(f"/v1/jobs/{checkpoint['job_id']}/checkpoints", headers=auth).json()["data"]
     assert [c["id"] for c in listed] == [checkpoint["id"]]
     ck = client.get(f"/v1/checkpoints/{checkpoint['id']}", headers=auth).json()
-    assert {f["name"]: f["sha256"] for f in ck["files"]} == {n: hashlib.sha256(d).hexdigest() for n, d in FILES.items()}
+    assert {f["name"]: f["sha256"] for f in ck["files"]} == {
+        n: hashlib.sha256(d).hexdigest() for n, d in FILES.items()
+    }
     assert ck["size"] == sum(map(len, FILES.values())) and ck["step"] == 2
 
 
@@ -65,13 +79,20 @@ def test_file_download_with_checksum(client, auth, checkpoint) -> None:
 
 
 @pytest.mark.parametrize(
-    ("header", "span"), [("bytes=0-99", (0, 100)), ("bytes=100-", (100, None)), ("bytes=-10", (-10, None)),
-                         ("bytes=10000-20000", (10000, None))],
+    ("header", "span"),
+    [
+        ("bytes=0-99", (0, 100)),
+        ("bytes=100-", (100, None)),
+        ("bytes=-10", (-10, None)),
+        ("bytes=10000-20000", (10000, None)),
+    ],
 )
 def test_single_ranges(client, auth, checkpoint, header, span) -> None:
     data = FILES["model.safetensors"]
-    r = client.get(f"/v1/checkpoints/{checkpoint['id']}/files/model.safetensors", headers={**auth, "Range": header})
-    assert r.status_code == 206 and r.content == data[span[0]:span[1]]
+    r = client.get(
+        f"/v1/checkpoints/{checkpoint['id']}/files/model.safetensors", headers={**auth, "Range": header}
+    )
+    assert r.status_code == 206 and r.content == data[span[0] : span[1]]
     start = span[0] % len(data)
     assert r.headers["content-range"] == f"bytes {start}-{start + len(r.content) - 1}/{len(data)}"
 
@@ -79,12 +100,19 @@ def test_single_ranges(client, auth, checkpoint, header, span) -> None:
 def test_unsatisfiable_range_is_416(client, auth, checkpoint) -> None:
     size = len(FILES["model.safetensors"])
     for header in (f"bytes={size}-", "bytes=-0", "bytes=50-10"):
-        r = client.get(f"/v1/checkpoints/{checkpoint['id']}/files/model.safetensors", headers={**auth, "Range": header})
+        r = client.get(
+            f"/v1/checkpoints/{checkpoint['id']}/files/model.safetensors", headers={**auth, "Range": header}
+        )
         assert r.status_code == 416, header
-        assert r.headers["content-range"] == f"bytes */{size}" and r.json()["error"]["code"] == "range_not_satisfiable"
+        assert (
+            r.headers["content-range"] == f"bytes */{size}"
+            and r.json()["error"]["code"] == "range_not_satisfiable"
+        )
 
 
-@pytest.mark.parametrize("name", ["../../../etc/passwd", "..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "nope.bin", "%2E%2E"])
+@pytest.mark.parametrize(
+    "name", ["../../../etc/passwd", "..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "nope.bin", "%2E%2E"]
+)
 def test_traversal_and_unknown_names_are_404(client, auth, checkpoint, name) -> None:
     r = client.get(f"/v1/checkpoints/{checkpoint['id']}/files/{name}", headers=auth)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -9,7 +9,8 @@ from pathlib import Path
 from tests.api.conftest import create_job
 
 ROWS = [
-    {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(3)
+    {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+    for i in range(3)
 ]
 GOOD = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
 

@@ -35,8 +35,15 @@ def owned(client, auth, spec, db_url, tmp_path, settings) -> dict[str, str]:
     (src / "config.json").write_text("{}")
     files = ArtifactStore(settings.artifact_root).publish_dir(src, "checkpoints/ckpt_iso")
     with session_factory(db_url)() as s:
-        row = add_checkpoint(s, job_id=job, project_id=s.get(Job, job).project_id, step=1, uri="checkpoints/ckpt_iso",
-                             files=files, sha256=manifest_sha256(files))
+        row = add_checkpoint(
+            s,
+            job_id=job,
+            project_id=s.get(Job, job).project_id,
+            step=1,
+            uri="checkpoints/ckpt_iso",
+            files=files,
+            sha256=manifest_sha256(files),
+        )
         s.commit()
         return {"job": job, "ds": ds, "ckpt": row.id}
 
@@ -61,7 +68,9 @@ def test_lists_are_scoped(client, auth, other_auth, owned) -> None:
 
 
 def test_other_projects_dataset_cannot_be_used(client, other_auth, owned, spec) -> None:
-    r = client.post("/v1/jobs", json={"spec": {**spec, "dataset": {"id": owned["ds"], "seq_len": 64}}}, headers=other_auth)
+    r = client.post(
+        "/v1/jobs", json={"spec": {**spec, "dataset": {"id": owned["ds"], "seq_len": 64}}}, headers=other_auth
+    )
     assert r.status_code == 422 and r.json()["error"]["param"] == "spec.dataset.id"
 
 

@@ -55,7 +55,10 @@ def test_server_paths_must_be_under_allowed_roots(client, auth, spec, tmp_path) 
         ("spec.dataset.path", {**spec, "dataset": {**spec["dataset"], "path": str(outside / "x.jsonl")}}),
         # `..` and a symlink pointing out of the root are resolved before the check.
         ("spec.dataset.path", {**spec, "dataset": {**spec["dataset"], "path": str(link / "x.jsonl")}}),
-        ("spec.hidden_states.cache_uri", {**spec, "hidden_states": {"cache_uri": f"{root}/../outside/cache"}}),
+        (
+            "spec.hidden_states.cache_uri",
+            {**spec, "hidden_states": {"cache_uri": f"{root}/../outside/cache"}},
+        ),
         ("spec.dataset.path", {**spec, "dataset": {**spec["dataset"], "path": f"{root}/missing.jsonl"}}),
     ]
     for param, bad in cases:
@@ -91,8 +94,11 @@ def test_idempotency_replay_and_conflict(client, auth, other_auth, spec) -> None
     first = client.post("/v1/jobs", json={"spec": spec}, headers={**auth, "Idempotency-Key": "k1"})
     assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
     # Same body, keys reordered: the same request.
-    again = client.post("/v1/jobs", content=json.dumps({"spec": dict(reversed(spec.items()))}),
-                        headers={**auth, "Idempotency-Key": "k1", "Content-Type": "application/json"})
+    again = client.post(
+        "/v1/jobs",
+        content=json.dumps({"spec": dict(reversed(spec.items()))}),
+        headers={**auth, "Idempotency-Key": "k1", "Content-Type": "application/json"},
+    )
     assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
     assert again.json()["id"] == first.json()["id"]
     other = {**spec, "training": {**spec["training"], "lr": 1e-4}}
@@ -187,7 +193,11 @@ def test_events_pages(client, auth, spec, db_url) -> None:
     _seed_events(db_url, job["id"], 5)
     got, after = [], None
     while True:
-        page = client.get(f"/v1/jobs/{job['id']}/events", params={"limit": 2, **({"after": after} if after else {})}, headers=auth).json()
+        page = client.get(
+            f"/v1/jobs/{job['id']}/events",
+            params={"limit": 2, **({"after": after} if after else {})},
+            headers=auth,
+        ).json()
         got += page["data"]
         if not page["has_more"]:
             break
@@ -225,7 +235,9 @@ def test_events_sse_follows_until_terminal(client, auth, spec, db_url) -> None:
     worker = threading.Thread(target=finish_later)
     worker.start()
     received = []
-    with client.stream("GET", f"/v1/jobs/{job['id']}/events", headers={**auth, "Accept": "text/event-stream"}) as r:
+    with client.stream(
+        "GET", f"/v1/jobs/{job['id']}/events", headers={**auth, "Accept": "text/event-stream"}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         block: dict[str, str] = {}
         for line in r.iter_lines():
@@ -241,11 +253,16 @@ def test_events_sse_follows_until_terminal(client, auth, spec, db_url) -> None:
     assert kinds[-1] == "end" and json.loads(received[-1]["data"])["status"] == "succeeded"
     messages = [json.loads(b["data"])["message"] for b in received[:-1]]
     assert messages[:3] == ["job queued", "line 0", "line 1"] and "line 0" in messages
-    assert [json.loads(b["data"])["data"]["status"] for b in received if b.get("event") == "status"][-1] == "succeeded"
+    assert [json.loads(b["data"])["data"]["status"] for b in received if b.get("event") == "status"][
+        -1
+    ] == "succeeded"
     # Last-Event-ID resumes after the given event.
     ids = [int(b["id"]) for b in received if "id" in b]
-    with client.stream("GET", f"/v1/jobs/{job['id']}/events",
-                       headers={**auth, "Accept": "text/event-stream", "Last-Event-ID": str(ids[1])}) as r:
+    with client.stream(
+        "GET",
+        f"/v1/jobs/{job['id']}/events",
+        headers={**auth, "Accept": "text/event-stream", "Last-Event-ID": str(ids[1])},
+    ) as r:
         resumed = [int(b["id"]) for b in _read_sse(r) if "id" in b]
     assert resumed == ids[2:]
 
@@ -259,7 +276,9 @@ def test_metrics_series(client, auth, spec, db_url) -> None:
         s.commit()
     page = client.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 3}, headers=auth).json()
     assert [m["step"] for m in page["data"]] == [1, 2, 3] and page["has_more"]
-    rest = client.get(f"/v1/jobs/{job['id']}/metrics", params={"after": page["next_cursor"]}, headers=auth).json()
+    rest = client.get(
+        f"/v1/jobs/{job['id']}/metrics", params={"after": page["next_cursor"]}, headers=auth
+    ).json()
     assert rest["data"][0]["values"] == {"eval/acceptance_length@4": 2.5} and not rest["has_more"]
 
 

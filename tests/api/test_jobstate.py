@@ -30,13 +30,21 @@ def test_full_lifecycle_stamps_and_events(db_url: str, job_id: str) -> None:
         job = s.get(Job, job_id)
         assert (job.status, job.attempt, job.worker_name) == ("succeeded", 1, "w1")
         assert job.started_at is not None and job.finished_at >= job.started_at
-        statuses = [e.data["status"] for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))]
+        statuses = [
+            e.data["status"]
+            for e in s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+        ]
         assert statuses == ["queued", "running", "succeeded"]
 
 
 @pytest.mark.parametrize(
     ("path", "to"),
-    [((), "succeeded"), ((), "cancelling"), (("running", "succeeded"), "running"), (("cancelled",), "queued")],
+    [
+        ((), "succeeded"),
+        ((), "cancelling"),
+        (("running", "succeeded"), "running"),
+        (("cancelled",), "queued"),
+    ],
 )
 def test_illegal_transitions_are_refused(db_url: str, job_id: str, path: tuple[str, ...], to: str) -> None:
     with session_factory(db_url)() as s:

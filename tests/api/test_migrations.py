@@ -14,7 +14,9 @@ def test_models_and_migrations_agree(db_url: str) -> None:
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+            ctx = MigrationContext.configure(
+                conn, opts={"compare_type": True, "compare_server_default": True}
+            )
             assert compare_metadata(ctx, Base.metadata) == []
     finally:
         engine.dispose()

@@ -32,7 +32,12 @@ def test_every_error_uses_the_envelope(client, auth) -> None:
         (client.get("/nope"), 404),
         (client.delete("/v1/jobs", headers=auth), 405),
         (client.get("/v1/jobs/job_nope", headers=auth), 404),
-        (client.post("/v1/jobs", content=b"{not json", headers={**auth, "Content-Type": "application/json"}), 422),
+        (
+            client.post(
+                "/v1/jobs", content=b"{not json", headers={**auth, "Content-Type": "application/json"}
+            ),
+            422,
+        ),
         (client.post("/v1/jobs", json={"spec": {}}, headers=auth), 422),
         (client.get("/v1/jobs", headers={}), 401),
     ]
@@ -61,7 +66,9 @@ def test_redis_down_readyz_is_503(make_settings) -> None:
 
 
 def test_app_import_does_not_import_torch() -> None:
-    code = "import sys, service.app; service.app.create_app; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, service.app; service.app.create_app; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

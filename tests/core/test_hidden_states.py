@@ -180,7 +180,7 @@ def test_hybrid_runs_the_verifier_only_in_the_first_epoch(ds, toy_verifier, fp, 
         cache_dir=tmp_path / "c",
         dtype=dtype,
         fingerprint=fp,
-        shard_bytes=150_000,
+        shard_bytes=700_000,
     )
     bins1, bins2 = _bins(ds, 0), _bins(ds, 1)
     assert bins1 != bins2
@@ -274,7 +274,7 @@ def test_batch_loader_raises_a_miss_from_its_thread(ds, toy_verifier, fp, tmp_pa
 
 
 def test_make_source_rejects_bad_modes(ds, tmp_path) -> None:
-    with pytest.raises(CacheError, match="hidden_states.mode"):
+    with pytest.raises(CacheError, match=r"unknown hidden_states\.mode"):
         make_source("sometimes", ds, verifier_factory=_no_verifier, cache_dir=tmp_path)
     with pytest.raises(CacheError, match="needs a cache directory"):
         make_source("offline", ds, verifier_factory=_no_verifier)

@@ -23,6 +23,15 @@ from peagle_core.train import train
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The test-size models are tiny: one intra-op thread is faster and immune to CPU oversubscription."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_spec(verifier_dir: Path, data_path: Path, **training) -> JobSpec:
     return parse_spec(
         {
@@ -63,7 +72,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 def test_full_run_reports_checkpoints_evaluates_and_exports(
     spec_for, prepared_dataset: Path, tmp_path: Path
 ) -> None:
-    spec = spec_for(max_steps=4, checkpoint_every_steps=2, eval_every_steps=2, grad_accum=2)
+    spec = spec_for(max_steps=4, checkpoint_every_steps=2, eval_every_steps=2, grad_accum=2, warmup_ratio=0.5)
     metrics, events = [], []
     result = train(
         spec,
@@ -177,23 +186,17 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(
             proc.wait()
     assert latest_checkpoint(out / "checkpoints").name == "step_00000002"
 
-    # One thread, like the subprocess, so every run sums in the same order.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        resumed = train(spec, out, dataset_dir=prepared_dataset)
-        reference = train(spec, tmp_path / "ref", dataset_dir=prepared_dataset)
-    finally:
-        torch.set_num_threads(threads)
+    # One thread here (autouse fixture) as in the subprocess, so every run sums in the same order.
+    resumed = train(spec, out, dataset_dir=prepared_dataset)
+    reference = train(spec, tmp_path / "ref", dataset_dir=prepared_dataset)
     assert resumed.status == "completed" and resumed.step == 6
     assert reference.step == 6
     assert_same_weights(final_weights(tmp_path / "ref"), final_weights(out))
 
 
 def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: Path, spec_for) -> None:
-    from peagle_core.data.packing import pack_bins
-
     from peagle_core.data import PreparedDataset
+    from peagle_core.data.packing import pack_bins
     from peagle_core.hidden_states import BatchLoader, make_source
     from peagle_core.train import build_model, forward_backward
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ class Stack:
         self.tmp_path = tmp_path
         self.sessions = session_factory(settings.database_url)
         with self.sessions() as s:
-            self.project_id = get_or_create_project(s, f"worker-tests-{os.getpid()}").id
+            self.project_id = get_or_create_project(s, f"worker-tests-{uuid.uuid4().hex[:8]}").id
             s.commit()
         self.procs: list[subprocess.Popen[bytes]] = []
         self.env = {
@@ -146,6 +147,21 @@ class Stack:
             f"{job_id} to be {statuses}", lambda: (j := self.job(job_id)).status in statuses and j
         )
 
+    def close(self) -> None:
+        """Stop workers and settle this test's unfinished jobs, so later tests' reconcilers skip them."""
+        from sqlalchemy import update
+
+        from service.db.models import Job
+
+        self.stop_all()
+        with self.sessions() as s:
+            s.execute(
+                update(Job)
+                .where(Job.project_id == self.project_id, Job.status.in_(("queued", "running", "cancelling")))
+                .values(status="cancelled")
+            )
+            s.commit()
+
     def stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -164,4 +180,4 @@ def stack(make_settings: Callable[..., Any], redis_conn: Any, tmp_path: Path) ->
     try:
         yield s
     finally:
-        s.stop_all()
+        s.close()

@@ -87,9 +87,10 @@ def test_jobs_survive_a_redis_flush(stack: Stack, toy_verifier_dir: Path, toy_da
     jobs = [stack.submit(spec), stack.submit(spec)]
     stack.redis.flushdb()
     report = reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0)
-    assert sorted(report.reenqueued) == sorted(jobs)
-    # A second pass finds them queued in RQ and does nothing.
-    assert not reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0)
+    assert set(jobs) <= set(report.reenqueued)
+    # A second pass finds them queued in RQ and leaves them be.
+    again = reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0)
+    assert not set(jobs) & set(again.reenqueued)
     stack.run_burst()
     for job_id in jobs:
         job = stack.job(job_id)

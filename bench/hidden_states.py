@@ -1,0 +1,136 @@
+"""Hidden-state sources: cache bytes per token, cached-read vs online throughput, hybrid epoch 2 vs offline.
+
+Uses the toy verifier (the `default` size when it is already built, else `test`; `--size` forces one) and
+a prepared toy corpus. Prints one JSON object per measurement on stdout.
+
+    python bench/hidden_states.py [--size auto|default|test] [--samples 256] [--repeats 5]
+
+Targets: hybrid epoch 2 within 1.1x of offline; cached reads >= 10x faster than online passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle_core import toy
+from peagle_core.cache import CacheFingerprint, HiddenStateCache, build_cache
+from peagle_core.data import prepare_dataset
+from peagle_core.data.packing import pack_bins
+from peagle_core.hidden_states import BatchLoader, HybridSource, OfflineSource, VerifierCompute
+from peagle_core.verifier import Verifier
+
+
+def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
+    print(
+        json.dumps({"bench": "hidden_states", "metric": metric, "value": value, "unit": unit, **extra}),
+        flush=True,
+    )
+
+
+def pick_size(size: str) -> str:
+    if size != "auto":
+        return size
+    built = toy._cache_root(None) / toy._cache_key("default", 0, toy.build_corpus(0)) / "toy_verifier.json"
+    return "default" if built.is_file() else "test"
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` runs."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_epoch(ds, source, bins, total_seq_len: int) -> int:
+    return sum(b.num_tokens for b in BatchLoader(ds, source, bins, total_seq_len=total_seq_len))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="auto", choices=["auto", "default", "test"])
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--total-seq-len", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temp dir).")
+    args = ap.parse_args()
+
+    size = pick_size(args.size)
+    work = args.work or Path(tempfile.mkdtemp(prefix="peagle-bench-hs-"))
+    vdir = toy.build_toy_verifier(size, seed=0)
+    data = toy.write_toy_dataset(work / "data.jsonl", n=args.samples, seed=0)
+    ds = prepare_dataset(vdir, data, work / "prepared", seq_len=args.seq_len)
+    verifier = Verifier.load(str(vdir), device=args.device)
+    fp = CacheFingerprint.of(verifier, ds)
+    bins = pack_bins(ds.lengths, args.total_seq_len, seed=0, epoch=0)
+    tokens = sum(ds.lengths)
+    common = {
+        "verifier_size": size,
+        "hidden_size": verifier.hidden_size,
+        "device": str(verifier.device),
+        "samples": len(ds),
+        "tokens": tokens,
+        "groups": len(bins),
+    }
+    print(f"# toy verifier size={size}, {len(ds)} samples, {tokens} tokens, work dir {work}", file=sys.stderr)
+
+    compute = VerifierCompute(ds, lambda: verifier)
+    compute(bins[0])  # warm-up
+
+    def online_pass() -> None:
+        for b in bins:
+            compute(b)
+        if verifier.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    online_s = timed(online_pass, args.repeats)
+    emit("online_tokens_per_s", tokens / online_s, "tokens/s", **common)
+
+    for dtype in ("bf16", "fp8"):
+        cache_dir = work / f"cache-{dtype}"
+        build_cache(cache_dir, ds, compute, fp, dtype=dtype, batch_size=16)
+        cache = HiddenStateCache.open(cache_dir, fp)
+        emit("bytes_per_token", cache.total_bytes / tokens, "bytes", dtype=dtype, **common)
+
+        def read_pass(cache_dir: Path = cache_dir) -> None:
+            # a fresh cache object: includes each shard's one-off checksum and mmap open
+            src = OfflineSource(ds, HiddenStateCache.open(cache_dir, fp))
+            for b in bins:
+                src.fetch(b)
+
+        read_s = timed(read_pass, args.repeats)
+        emit("cache_read_tokens_per_s", tokens / read_s, "tokens/s", dtype=dtype, **common)
+        emit("cached_read_speedup_vs_online", online_s / read_s, "x", dtype=dtype, target=">=10", **common)
+
+    hybrid = HybridSource(ds, work / "cache-hybrid", lambda: verifier, fingerprint=fp, dtype="bf16")
+    run_epoch(ds, hybrid, bins, args.total_seq_len)  # epoch 1 fills the cache
+    calls = hybrid.verifier_calls
+    bins2 = pack_bins(ds.lengths, args.total_seq_len, seed=0, epoch=1)
+    offline = OfflineSource(ds, HiddenStateCache.open(work / "cache-bf16", fp))
+    run_epoch(ds, offline, bins2, args.total_seq_len)  # warm the page cache for both sides alike
+    # interleaved so that load drift on a shared machine hits both sides alike
+    hybrid_t, offline_t = [], []
+    for _ in range(args.repeats):
+        hybrid_t.append(timed(lambda: run_epoch(ds, hybrid, bins2, args.total_seq_len), 1))
+        offline_t.append(timed(lambda: run_epoch(ds, offline, bins2, args.total_seq_len), 1))
+    hybrid_s, offline_s = statistics.median(hybrid_t), statistics.median(offline_t)
+    emit("hybrid_epoch2_s", hybrid_s, "s", verifier_calls_in_epoch2=hybrid.verifier_calls - calls, **common)
+    emit("offline_epoch_s", offline_s, "s", **common)
+    emit("hybrid_epoch2_vs_offline", hybrid_s / offline_s, "x", target="<=1.1", **common)
+
+
+if __name__ == "__main__":
+    main()
