@@ -87,7 +87,7 @@ def child(num_depths: int, ratio: float, ratio_min: float, seq_len: int, peak: f
         num_depths=num_depths, ratio=ratio, ratio_min=ratio_min, seq_len=seq_len, positions=int(cod[0].numel()),
         peak_rss_mb=round(peak_rss, 1), step_mem_mb=round(peak_rss - rss_before, 1), step_s=round(step_s, 3),
         tokens_per_s=round(seq_len / step_s, 1), mfu=round(_step_flops(model, cod, seq_len) / step_s / peak, 4),
-        loss=round(float(out.loss), 4), threads=torch.get_num_threads(),
+        loss=round(float(out.loss.detach()), 4), threads=torch.get_num_threads(),
     )  # fmt: skip
 
 

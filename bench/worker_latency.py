@@ -9,6 +9,7 @@ Uses PEAGLE_DATABASE_URL / PEAGLE_REDIS_URL when set, else a temporary SQLite fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -123,7 +124,10 @@ def main() -> None:
             value=100.0 * in_report / total,
         )  # fmt: skip
     if server is not None:
-        server.shutdown(save=False, now=True, force=True)
+        from redis.exceptions import RedisError
+
+        with contextlib.suppress(RedisError):  # the server exits while answering
+            server.shutdown(save=False, now=True, force=True)
 
 
 if __name__ == "__main__":

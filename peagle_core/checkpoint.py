@@ -66,7 +66,7 @@ def restore_rng(state: dict[str, Any], cod_generator: torch.Generator | None = N
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if cod_generator is not None and "cod" in state:
-        pass
+        cod_generator.set_state(state["cod"])
 
 
 def _tuples(x: Any) -> Any:

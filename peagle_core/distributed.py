@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -83,10 +84,15 @@ def mean_across_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t / info.world_size
 
 
-def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
-    """Every rank's `obj`, in rank order (a one-element list when not distributed)."""
+def all_gather_tensors_state(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's `obj` (nested containers of tensors and plain values), in rank order.
+
+    Goes through `torch.save` bytes because gloo's object collectives cannot pickle raw tensor storages.
+    """
     if not info.enabled:
         return [obj]
+    buf = io.BytesIO()
+    torch.save(obj, buf)
     out: list[Any] = [None] * info.world_size
-    dist.all_gather_object(out, obj)
-    return out
+    dist.all_gather_object(out, buf.getvalue())
+    return [torch.load(io.BytesIO(b), weights_only=True) for b in out]

@@ -25,11 +25,11 @@ from peagle_core.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from peagle_core.cod import sample_cod_indices
 from peagle_core.errors import CheckpointError, DataError
 from peagle_core.evaluate import evaluate, held_out_prompts
 from peagle_core.export import export_checkpoint, validate_checkpoint
 from peagle_core.io import atomic_write_json
+from peagle_core.partition import partitioned_backward
 from peagle_core.schedule import build_scheduler
 from peagle_core.spec import JobSpec
 
@@ -180,48 +180,16 @@ def forward_backward(
     batch: Any,
     *,
     num_segments: int,
-    num_depths: int,
-    cod_settings: tuple[float, float, int | None],
     generator: torch.Generator,
     scale: float,
     autocast: torch.autocast | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Loss + backward for one packed batch, optionally in `num_segments` sequence partitions.
+    """Loss + backward for one packed batch (in `num_segments` sequence partitions when > 1).
 
-    COD chains are drawn once for the whole sequence and shared by every segment, so the partitioned
-    gradient equals the unpartitioned one; each segment's graph is freed after its backward.
-    Returns the batch's metrics as tensors (no host sync).
+    Gradients accumulate in `.grad` scaled by `scale`; returns the batch's metrics as tensors (no host sync).
     """
-    ratio, ratio_min, max_anchors = cod_settings
-    cod = sample_cod_indices(
-        batch.input_ids.shape[1],
-        batch.loss_mask[0],
-        num_depths,
-        ratio,
-        ratio_min,
-        max_anchors,
-        generator=generator,
-        document_ids=batch.document_ids[0],
-    )
-    segments = [(s, num_segments) for s in range(num_segments)] if num_segments > 1 else [None]
-    totals: dict[str, torch.Tensor] = {}
-    for seg in segments:
-        with autocast if autocast is not None else _null():
-            out = model(
-                batch.hidden_states,
-                batch.input_ids,
-                batch.verifier_last_hidden_states,
-                batch.loss_mask,
-                batch.document_ids,
-                position_ids=batch.position_ids,
-                cod=cod,
-                segment=seg,
-            )
-        (out.loss * scale).backward()
-        for key, value in out.metrics.items():
-            v = value.detach().float() if torch.is_tensor(value) else torch.tensor(float(value))
-            totals[key] = totals.get(key, 0) + v
-    return totals
+    with autocast if autocast is not None else _null():
+        return partitioned_backward(model, batch, num_segments, generator=generator, scale=scale)
 
 
 class _null:
@@ -333,7 +301,6 @@ def _train(
 
     ddp_model = DistributedDataParallel(model) if info.enabled else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    cod_settings = (spec.model.down_sample_ratio, spec.model.down_sample_ratio_min, spec.model.max_anchors)
     eval_ks = spec.speculative_tokens
     prompts = _eval_prompts(spec, dataset, val_idx, verifier)
 
@@ -351,8 +318,7 @@ def _train(
         return {"step": step, "results": results}
 
     def checkpoint(step: int, epoch: int, batch_index: int, metrics: dict, eval_result: dict | None) -> Path:
-        rng = capture_rng(cod_generator)
-        rngs = dist_utils.all_gather_objects(rng, info)
+        rngs = dist_utils.all_gather_tensors_state(capture_rng(cod_generator), info)
         path = None
         if info.is_main:
             path = save_checkpoint(
@@ -395,8 +361,6 @@ def _train(
                     ddp_model,
                     batch,
                     num_segments=tc.num_segments,
-                    num_depths=spec.model.num_depths,
-                    cod_settings=cod_settings,
                     generator=cod_generator,
                     scale=1.0 / tc.grad_accum,
                     autocast=autocast,

@@ -211,13 +211,7 @@ def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: P
     def grads(num_segments: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         m = copy.deepcopy(model)
         metrics = forward_backward(
-            m,
-            batch,
-            num_segments=num_segments,
-            num_depths=3,
-            cod_settings=(0.7, 0.2, None),
-            generator=torch.Generator().manual_seed(3),
-            scale=1.0,
+            m, batch, num_segments=num_segments, generator=torch.Generator().manual_seed(3), scale=0.5
         )
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, metrics
 
