@@ -18,7 +18,9 @@ def fail(message: str, code: int = 1) -> None:
 def run_app(app: typer.Typer) -> None:
     """Run a typer app, turning PeagleError (and Ctrl-C) into one line on stderr."""
     try:
-        app(standalone_mode=False)
+        # standalone_mode=False returns typer.Exit's code instead of raising it.
+        rc = app(standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except PeagleError as exc:
