@@ -10,15 +10,12 @@ K with the trained and the untrained drafter's acceptance length on held-out pro
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit  # noqa: E402
+from _common import emit
 
 
 def main() -> None:
@@ -50,7 +47,7 @@ def main() -> None:
             "hidden_states": {"mode": "hybrid", "dtype": "fp32"},
             "model": {"num_layers": 4, "num_depths": 6, "draft_vocab_size": None},
             "training": {
-                "epochs": 1000,
+                "epochs": 100,
                 "total_seq_len": 4096,
                 "lr": args.lr,
                 "warmup_ratio": 0.01,
