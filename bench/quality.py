@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--toy-size", default="default", choices=["default", "test"])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
     args = parser.parse_args()
 
@@ -48,7 +48,7 @@ def main() -> None:
             "model": {"num_layers": 4, "num_depths": 6, "draft_vocab_size": None},
             "training": {
                 "epochs": 100,
-                "total_seq_len": 4096,
+                "total_seq_len": 1024,
                 "lr": args.lr,
                 "warmup_ratio": 0.01,
                 "checkpoint_every_steps": 10**6,
