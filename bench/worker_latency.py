@@ -1,5 +1,6 @@
 """Worker overheads, one JSON line per measurement: submit->running latency with an idle worker, and the
-cost of progress reporting as a share of step time.
+cost of progress reporting on the training thread as a share of step time (the database writes happen on
+the writer thread; `close_s` is the final flush at the end of a stage).
 
     python bench/worker_latency.py [--jobs 5]
 
@@ -105,7 +106,7 @@ def main() -> None:
         s.commit()
         job_id = job.id
     for step_s in args.steps_s:
-        writer = ProgressWriter(sessions, job_id, attempt=1)
+        writer = ProgressWriter(sessions, job_id, attempt=1).start()
         steps = max(50, int(3.0 / step_s))
         in_report = 0.0
         t0 = time.perf_counter()
@@ -119,9 +120,12 @@ def main() -> None:
             )
             in_report += time.perf_counter() - t
         total = time.perf_counter() - t0
+        t = time.perf_counter()
+        writer.close()
+        close_s = time.perf_counter() - t
         emit(
             bench="progress_overhead_pct", step_s=step_s, steps=steps, flushes=writer.flushes,
-            value=100.0 * in_report / total,
+            rows=writer.rows_written, close_s=close_s, value=100.0 * in_report / total,
         )  # fmt: skip
     if server is not None:
         from redis.exceptions import RedisError

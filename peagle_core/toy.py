@@ -6,6 +6,7 @@ this module builds one deterministically per (size, seed) and caches it.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import inspect
@@ -80,11 +81,14 @@ class ToySize:
     steps: int
     lr: float
     max_conversations: int | None  # the test size trains on a slice of the corpus
+    threads: int | None  # torch CPU threads while training; None keeps torch's default
 
 
 SIZES: dict[str, ToySize] = {
-    "test": ToySize(512, 64, 4, 4, 2, 128, 128, 8, 60, 3e-3, 600),
-    "default": ToySize(4096, 256, 4, 4, 4, 512, 256, 8, 120, 2e-3, None),
+    # One thread for the test size: its matmuls are too small to gain from more, the result is then
+    # bit-identical on any machine, and a busy CI box cannot stall it in thread contention.
+    "test": ToySize(512, 64, 4, 4, 2, 128, 128, 8, 60, 3e-3, 600, 1),
+    "default": ToySize(4096, 256, 4, 4, 4, 512, 256, 8, 120, 2e-3, None, None),
 }
 
 
@@ -321,7 +325,12 @@ def build_toy_verifier(
     corpus = build_corpus(seed)
     cached = _cache_root(cache_dir) / _cache_key(size, seed, corpus)
     if not (cached / "toy_verifier.json").is_file():
-        _build_into(cached, spec, size, seed, corpus)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        # one builder per key: concurrent test sessions wait for the first build instead of racing it
+        with open(cached.with_name(cached.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (cached / "toy_verifier.json").is_file():
+                _build_into(cached, spec, size, seed, corpus)
     if out is None:
         return cached
     with atomic_dir(out) as tmp:
@@ -341,7 +350,14 @@ def _build_into(target: Path, spec: ToySize, size: str, seed: int, corpus: list[
     tokenizer = train_tokenizer(texts, spec.vocab_size)
     train_ids = _token_stream(tokenizer, train_convs)
     val_ids = _token_stream(tokenizer, val_convs)
-    model, metrics = _train_model(spec, tokenizer, train_ids, val_ids, seed)
+    threads = torch.get_num_threads()
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    try:
+        model, metrics = _train_model(spec, tokenizer, train_ids, val_ids, seed)
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     info = {
@@ -354,7 +370,7 @@ def _build_into(target: Path, spec: ToySize, size: str, seed: int, corpus: list[
         "corpus_conversations": len(convs),
         "train_tokens": len(train_ids),
         "build_seconds": round(time.monotonic() - t0, 2),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": used_threads,
         **metrics,
     }
     with atomic_dir(target) as tmp:

@@ -343,6 +343,7 @@ def _train(
     last_eval: dict[str, Any] | None = None
     t_start, tokens_seen = time.monotonic(), 0
     epoch = position.epoch
+    run_start = counters = source_counters(source)
     while step < total_steps and epoch < tc.epochs:
         bins = epoch_bins(train_idx, lengths, spec, epoch, info)
         first = position.batch_index if epoch == position.epoch else 0
@@ -416,13 +417,30 @@ def _train(
                 break
             if finished:
                 break
-        if status == "stopped" or step >= total_steps:
+        if status == "stopped":
+            break
+        # The loader has been joined by now (the `for` dropped it), so the counters are final.
+        now = source_counters(source)
+        epoch_stats = sum_across_ranks(counters_delta(now, counters), info, device)
+        counters = now
+        event(
+            "epoch",
+            f"epoch {epoch} done: {epoch_stats['verifier_calls']} verifier calls, "
+            f"{epoch_stats['cache_hits']} cache hits",
+            epoch=epoch,
+            complete=batch_index == len(bins),
+            step=step,
+            **epoch_stats,
+        )
+        if step >= total_steps:
             break
         epoch += 1
+    source.close()  # a hybrid run that ended mid-epoch still keeps what it computed
+    totals = sum_across_ranks(counters_delta(source_counters(source), run_start), info, device)
 
     if status == "stopped":
         event("train", f"stopped at step {step}", step=step)
-        return TrainResult("stopped", step, last_ckpt, None, last_metrics, model)
+        return TrainResult("stopped", step, last_ckpt, None, {**last_metrics, **totals}, model)
 
     # --- final export
     export_dir = None
@@ -445,8 +463,39 @@ def _train(
             raise CheckpointError(problems, path=str(export_dir))
         atomic_write_json(export_dir / "eval.json", last_eval or {})
     dist_utils.barrier(info)
-    final = {**last_metrics, **_eval_summary(last_eval)}
+    final = {**last_metrics, **_eval_summary(last_eval), **totals}
     return TrainResult("completed", step, last_ckpt, export_dir, final, model)
+
+
+COUNTERS = ("verifier_calls", "cache_hits", "cache_misses")
+
+
+def source_counters(source: Any) -> dict[str, int]:
+    """The hidden-state source's running counters under one naming for every mode.
+
+    A cache miss is a sample the hybrid source computed; offline reads count as hits.
+    """
+    stats = source.stats()
+    return {
+        "verifier_calls": int(stats.get("verifier_calls", 0)),
+        "cache_hits": int(stats.get("cache_hits", stats.get("cache_reads", 0))),
+        "cache_misses": int(stats.get("computed", 0)),
+    }
+
+
+def counters_delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: now[k] - before[k] for k in COUNTERS}
+
+
+def sum_across_ranks(
+    counts: dict[str, int], info: dist_utils.DistInfo, device: torch.device
+) -> dict[str, int]:
+    """Every rank's counters added up (each rank has its own source); a collective, so all ranks call it."""
+    if not info.enabled:
+        return counts
+    t = torch.tensor([float(counts[k]) for k in COUNTERS], dtype=torch.float64, device=device)
+    total = dist_utils.mean_across_ranks(t, info) * info.world_size
+    return {k: round(v) for k, v in zip(COUNTERS, total.tolist(), strict=True)}
 
 
 def _step_metrics(

@@ -280,8 +280,13 @@ class ArtifactStore:
             os.replace(src, dest)
         else:
             # Object stores have no directory rename: copy then delete. The DB row is inserted only after
-            # this returns, so readers never follow a row to a half-moved prefix.
-            self.fs.mv(src, dest, recursive=True)
+            # this returns, so readers never follow a row to a half-moved prefix. File by file, because a
+            # recursive `mv` also tries to copy the implied sub-"directories", which S3 does not have.
+            base = self.fs._strip_protocol(src)
+            for path in self.fs.find(src):
+                rel = posixpath.relpath(self.fs._strip_protocol(path), base)
+                self.fs.copy(path, posixpath.join(dest, rel))
+            self.fs.rm(src, recursive=True)
 
     def _remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):

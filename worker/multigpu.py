@@ -3,6 +3,10 @@
 Ranks are separate processes, so they talk to the database themselves: every rank polls the stop check
 (the trainer agrees on it across ranks), rank 0 writes metrics and events, and rank 0 hands the result
 back to the horse in a JSON file. The horse's own monitor keeps the job's heartbeat.
+
+A job asking for more GPUs than the worker sees fails with `insufficient_gpus`. On a machine without
+GPUs, `PEAGLE_ALLOW_CPU_MULTIPROCESS=1` runs the ranks as CPU processes over gloo instead (for tests and
+development; it is never what a real job wants).
 """
 
 from __future__ import annotations
@@ -25,6 +29,28 @@ from worker.runner import STAGES, Outcome
 log = logging.getLogger(__name__)
 
 
+ALLOW_CPU_ENV = "PEAGLE_ALLOW_CPU_MULTIPROCESS"
+
+
+def rank_device(gpus: int) -> str:
+    """ "cuda" or "cpu": where `gpus` ranks of this job run on this worker, or `insufficient_gpus`."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if gpus <= 1 or visible >= gpus:
+        return "cuda" if visible else "cpu"
+    if visible == 0 and os.environ.get(ALLOW_CPU_ENV) == "1":
+        return "cpu"
+    where = os.environ.get("CUDA_VISIBLE_DEVICES")
+    pinned = f" (CUDA_VISIBLE_DEVICES={where})" if where is not None else ""
+    raise PeagleError(
+        f"resources.gpus={gpus} but this worker sees {visible} GPU(s){pinned}; submit to a queue served by "
+        f"a worker with {gpus} GPUs",
+        code="insufficient_gpus",
+        param="resources.gpus",
+    )
+
+
 def train_distributed(
     settings: Settings,
     job_id: str,
@@ -45,6 +71,9 @@ def train_distributed(
         "PEAGLE_ARTIFACT_ROOT": settings.artifact_root,
         "PEAGLE_REDIS_URL": settings.redis_url,
     }
+    if rank_device(spec.resources.gpus) == "cpu":
+        # CPU ranks share the cores: one intra-op thread each avoids oversubscription.
+        env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={spec.resources.gpus}",
@@ -56,10 +85,15 @@ def train_distributed(
         cmd += ["--cache-dir", str(cache_dir)]
     proc = subprocess.run(cmd, env=env, check=False)
     if not result_path.is_file():
-        raise RuntimeError(f"torchrun exited with status {proc.returncode} without a result")
+        raise PeagleError(
+            f"a training rank exited (torchrun status {proc.returncode}) before rank 0 reported a result; "
+            "see the worker log",
+            code="rank_failed",
+        )
     result = json.loads(result_path.read_text())
     if "error" in result:
-        raise PeagleError(result["error"]["message"], code=result["error"]["code"])
+        error = result["error"]
+        raise PeagleError(error["message"], code=error["code"], param=error.get("param"))
     return Outcome(**result)
 
 
@@ -79,28 +113,34 @@ def _rank_main(argv: list[str] | None = None) -> int:
     from service.settings import get_settings
     from worker.cancel import JobMonitor
     from worker.progress import ProgressWriter
-    from worker.runner import add_event
+    from worker.runner import add_event, error_for, trainer_event
 
     rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     sessions = session_factory(get_settings().database_url)
+
+    def write_event(type_: str, message: str, data: dict[str, Any]) -> None:
+        with sessions() as session:
+            add_event(session, args.job_id, type_, message, data)
+            session.commit()
+
     with sessions() as session:
         spec = JobSpec.model_validate(
             session.execute(select(Job.spec).where(Job.id == args.job_id)).scalar_one()
         )
+    write_event(
+        "log",
+        f"rank {rank} of {world_size} started",
+        {"kind": "rank", "rank": rank, "world_size": world_size, "pid": os.getpid()},
+    )
     monitor = JobMonitor(sessions, args.job_id, args.worker_name, heartbeat_s=float("inf")).start()
-    progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt) if rank == 0 else None
+    progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt).start() if rank == 0 else None
 
     def on_event(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         if rank == 0:
-            with sessions() as session:
-                add_event(
-                    session,
-                    args.job_id,
-                    "stage" if kind in STAGES else "log",
-                    message,
-                    {"stage": kind, **(data or {})},
-                )
-                session.commit()
+            if progress is not None and kind in STAGES:
+                progress.set_stage(kind)
+            write_event(*trainer_event(kind, message, data))
 
     try:
         result = train(
@@ -113,13 +153,14 @@ def _rank_main(argv: list[str] | None = None) -> int:
             dataset_dir=Path(args.dataset_dir),
             cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         )
-        if progress:
-            progress.flush()
-    except PeagleError as exc:
+    except Exception as exc:
+        log.exception("rank %d failed", rank)
         if rank == 0:
-            atomic_write_json(args.result, {"error": {"code": exc.code, "message": exc.message}})
+            atomic_write_json(args.result, {"error": error_for(exc, stage="train")})
         return 1
     finally:
+        if progress is not None:
+            progress.close()
         monitor.stop()
     if rank == 0:
         atomic_write_json(
@@ -136,4 +177,5 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.exit(_rank_main())

@@ -1,15 +1,17 @@
-"""Rate-limited progress reporting: buffer per-step metrics and write them, with job progress, at most ~1/s.
+"""Progress reporting off the training loop: the loop enqueues metrics, a writer thread persists them ~1/s.
 
-The trainer calls `on_metrics` every step; writing a row per step would make the database the bottleneck
-of a fast loop, so rows are batched and flushed on a timer. Evaluation metrics are flushed immediately.
+A database write costs tens of milliseconds, so the training thread never does one: `on_metrics` and
+`set_stage` only put an item on a bounded queue. The writer thread wakes every `min_interval_s` and writes
+what accumulated (metric rows and the job's progress) in one transaction; evaluation metrics, stage
+changes and `flush()` wake it at once.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Callable
+import queue
+import threading
 from typing import Any
 
 from sqlalchemy import insert, update
@@ -18,6 +20,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import Job, JobMetric, utcnow
 
 log = logging.getLogger(__name__)
+
+# Far more than the items produced between two writes; when the database stalls for that long the
+# training thread waits (back-pressure) rather than dropping rows.
+MAX_PENDING = 10_000
 
 
 def _jsonable(value: Any) -> Any:
@@ -29,11 +35,24 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class ProgressWriter:
-    """Collects metrics from the training loop and persists them in batches.
+class _Flush:
+    """A request to write everything queued before it; `done` is set once written (or failed)."""
 
-    `on_metrics(m)` is the trainer's callback (a dict with `step`, `total_steps`, `eta_s`, ...);
-    `set_stage(name)` records the stage shown in the job's progress. Both are cheap between flushes.
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+_STOP = object()  # queued by close(): write what is left, then end the thread
+
+
+class ProgressWriter:
+    """Persists the trainer's per-step metrics and the job's progress from a background thread.
+
+    `on_metrics(m)` is the trainer's callback (a dict with `step`, `total_steps`, `eta_s`, ...) and
+    `set_stage(name)` records the stage shown in the job's progress; both only enqueue. `flush()` blocks
+    until everything enqueued so far is written; `close()` flushes and stops the thread. Use `start()`
+    (or `with`) before reporting.
     """
 
     def __init__(
@@ -43,44 +62,129 @@ class ProgressWriter:
         *,
         attempt: int,
         min_interval_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
+        max_pending: int = MAX_PENDING,
     ):
+        if min_interval_s <= 0:
+            raise ValueError("min_interval_s must be positive")
         self.sessions = sessions
         self.job_id = job_id
         self.attempt = attempt
         self.min_interval_s = min_interval_s
-        self.clock = clock
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"progress-{job_id}", daemon=True)
+        # Owned by the writer thread after start().
         self.progress: dict[str, Any] = {"stage": "starting", "step": 0, "total_steps": None, "eta_s": None}
         self._rows: list[dict[str, Any]] = []
         self._dirty = False
-        self._last_flush = clock()
         self.flushes = 0
         self.rows_written = 0
 
-    def set_stage(self, stage: str) -> None:
-        self.progress["stage"] = stage
-        self._dirty = True
-        self.flush()
+    # -- training-thread side (cheap) ---------------------------------------------------------------
+
+    def start(self) -> ProgressWriter:
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> ProgressWriter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def on_metrics(self, metrics: dict[str, Any]) -> None:
         values = {k: _jsonable(v) for k, v in metrics.items()}
-        step = int(values.get("step") or 0)
         values["attempt"] = self.attempt
-        self._rows.append({"job_id": self.job_id, "step": step, "values": values, "created_at": utcnow()})
+        self._put(("metrics", values, utcnow()), urgent=any(k.startswith("eval/") for k in values))
+
+    def set_stage(self, stage: str) -> None:
+        self._put(("stage", stage), urgent=True)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until everything reported so far is written; re-raises the write's error."""
+        if not self._thread.is_alive():
+            self._drain()
+            self._write()  # not started, or closed: write in the caller's thread
+            return
+        request = _Flush()
+        self._put(request, urgent=True)
+        if not request.done.wait(timeout):
+            raise TimeoutError(f"progress of {self.job_id} was not written within {timeout} s")
+        if request.error is not None:
+            raise request.error
+
+    def close(self) -> None:
+        """Write what is left and stop the thread. A failed final write is logged, not raised: it must not
+        mask the job's own outcome."""
+        if not self._thread.is_alive():
+            return
+        self._put(_STOP, urgent=True)
+        self._thread.join()
+
+    def _put(self, item: Any, *, urgent: bool) -> None:
+        # Routine items do not wake the writer (it drains on its timer); only urgent ones do.
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self._wake.set()
+            self._queue.put(item)
+        if urgent:
+            self._wake.set()
+
+    # -- writer thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.min_interval_s)
+            self._wake.clear()
+            stop, requests = self._drain()
+            error = self._safe_write()
+            for request in requests:
+                request.error = error
+                request.done.set()
+            if stop:
+                return
+
+    def _drain(self) -> tuple[bool, list[_Flush]]:
+        """Fold every queued item into the pending rows and progress; returns (stop seen, flush requests)."""
+        stop, requests = False, []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return stop, requests
+            if item is _STOP:
+                stop = True
+            elif isinstance(item, _Flush):
+                requests.append(item)
+            elif item[0] == "stage":
+                self.progress["stage"] = item[1]
+                self._dirty = True
+            else:
+                self._add_row(*item[1:])
+
+    def _add_row(self, values: dict[str, Any], created_at: Any) -> None:
+        step = int(values.get("step") or 0)
+        self._rows.append({"job_id": self.job_id, "step": step, "values": values, "created_at": created_at})
         self.progress["step"] = max(step, int(self.progress.get("step") or 0))
         for key in ("total_steps", "eta_s", "epoch"):
             if values.get(key) is not None:
                 self.progress[key] = values[key]
         self._dirty = True
-        is_eval = any(k.startswith("eval/") for k in values)
-        if is_eval or self.clock() - self._last_flush >= self.min_interval_s:
-            self.flush()
 
-    def flush(self) -> None:
-        """Write buffered rows and the current progress in one transaction."""
+    def _safe_write(self) -> BaseException | None:
+        try:
+            self._write()
+        except Exception as exc:  # keep the rows; the next write retries them
+            log.warning("writing progress of job %s failed: %s", self.job_id, exc)
+            return exc
+        return None
+
+    def _write(self) -> None:
+        """Buffered rows and the current progress in one transaction."""
         if not self._dirty and not self._rows:
             return
-        rows, self._rows = self._rows, []
+        rows = list(self._rows)
         with self.sessions() as session:
             if rows:
                 session.execute(insert(JobMetric), rows)
@@ -91,7 +195,7 @@ class ProgressWriter:
                 .execution_options(synchronize_session=False)
             )
             session.commit()
+        del self._rows[: len(rows)]
         self._dirty = False
-        self._last_flush = self.clock()
         self.flushes += 1
         self.rows_written += len(rows)

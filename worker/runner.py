@@ -76,6 +76,14 @@ def add_event(
     session.add(JobEvent(job_id=job_id, type=type_, message=message, data=data, level=level))
 
 
+def trainer_event(kind: str, message: str, data: dict[str, Any] | None) -> tuple[str, str, dict[str, Any]]:
+    """A trainer `on_event` as a job_events row: `type="stage"` with `data.stage` for stage transitions,
+    else `type="log"` with `data.kind` (e.g. "epoch", whose data carries the hidden-state counters)."""
+    if kind in STAGES:
+        return "stage", message, {"stage": kind, **(data or {})}
+    return "log", message, {"kind": kind, **(data or {})}
+
+
 def latest_checkpoint_step(out_dir: Path) -> int | None:
     """The step of `out_dir/checkpoints/latest` (the trainer's resume point), or None."""
     latest = out_dir / "checkpoints" / "latest"
@@ -109,10 +117,13 @@ class JobRunner:
         monitor = JobMonitor(
             self.sessions, self.job_id, self.worker_name, heartbeat_s=self.settings.worker_heartbeat_s
         ).start()
-        progress = ProgressWriter(self.sessions, self.job_id, attempt=job.attempt)
+        progress = ProgressWriter(self.sessions, self.job_id, attempt=job.attempt).start()
         try:
-            outcome = self._execute(job, spec, monitor, progress)
-            progress.flush()
+            try:
+                outcome = self._execute(job, spec, monitor, progress)
+            finally:
+                # Every metric row lands before the job's final status is written.
+                progress.close()
             monitor.check_now()
             if monitor.lost.is_set():
                 log.warning("job %s is no longer ours; dropping its result", self.job_id)
@@ -215,6 +226,10 @@ class JobRunner:
     def _execute(self, job: Job, spec: JobSpec, monitor: JobMonitor, progress: ProgressWriter) -> Outcome:
         self.stage = "prepare"
         _check_verifier_path(spec)
+        if spec.resources.gpus > 1:
+            from worker.multigpu import rank_device
+
+            rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
         out_dir = self._work_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -235,11 +250,10 @@ class JobRunner:
         self._enter("train", progress, "training", resume_step=resume_step, gpus=spec.resources.gpus)
 
         def on_event(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-            is_stage = kind in STAGES
-            if is_stage:
+            if kind in STAGES:
                 self.stage = kind
-                progress.progress["stage"] = kind
-            self._event("stage" if is_stage else "log", message, {"stage": kind, **(data or {})})
+                progress.set_stage(kind)
+            self._event(*trainer_event(kind, message, data))
 
         if spec.resources.gpus > 1:
             from worker.multigpu import train_distributed

@@ -29,12 +29,26 @@ def run_app(app: typer.Typer) -> None:
     except KeyboardInterrupt:
         typer.secho("interrupted", err=True)
         sys.exit(130)
-    except Exception as exc:  # click usage errors and the like
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
+    except Exception as exc:
+        # Usage errors (missing argument, bad option) come from typer's bundled click, or click itself.
+        for exceptions in _click_exception_modules():
+            if isinstance(exc, exceptions.ClickException):
+                exc.show()
+                sys.exit(exc.exit_code)
+            if isinstance(exc, exceptions.Abort):
+                sys.exit(1)
         raise
+
+
+def _click_exception_modules() -> list:
+    mods = []
+    try:
+        from typer._click import exceptions as typer_click
+
+        mods.append(typer_click)
+    except ImportError:
+        pass
+    from click import exceptions as click_exceptions
+
+    mods.append(click_exceptions)
+    return mods

@@ -11,16 +11,17 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
+from peagle_core.cli.common import fail
 from service.client import ApiError, PeagleClient
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 # Written by `peagle up` into its data dir; used when neither --key nor PEAGLE_API_KEY is given.
-KEY_FILE = "api-key"
-URL_FILE = "url"
+from service.embedded import KEY_FILE, URL_FILE
+
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 UrlOpt = Annotated[
     str | None, typer.Option("--url", envvar="PEAGLE_URL", help=f"API base URL [default: {DEFAULT_URL}].")
@@ -33,16 +34,6 @@ KeyOpt = Annotated[
 jobs_app = typer.Typer(no_args_is_help=True, help="Submit, inspect, follow and cancel training jobs.")
 checkpoints_app = typer.Typer(no_args_is_help=True, help="List and download published checkpoints.")
 datasets_app = typer.Typer(no_args_is_help=True, help="Upload and list JSONL chat datasets.")
-
-
-def fail(message: str) -> NoReturn:
-    """Print `error: message` on stderr and exit 1.
-
-    SystemExit rather than typer.Exit: `peagle_core.cli.common.run_app` runs typer with
-    standalone_mode=False, where a typer.Exit becomes a return value and the status would be 0.
-    """
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    raise SystemExit(1)
 
 
 def register(app: typer.Typer) -> None:

@@ -13,20 +13,37 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 
+from peagle_core.cli.common import fail
 from peagle_core.io import atomic_write_bytes
-from service.cli.client import KEY_FILE, URL_FILE, connect, download_with_progress, fail
+from service.cli.client import KEY_FILE, URL_FILE, connect, download_with_progress
 from service.client import PeagleClient
 
-# Budgets sized so the default demo (toy verifier build included) ends in < 15 min on a 2-core CPU.
-DEMO_BUDGETS: dict[str, dict[str, Any]] = {
-    "default": {"conversations": 400, "seq_len": 256, "max_steps": 150, "eval_prompts": 8, "new_tokens": 32},
-    "test": {"conversations": 48, "seq_len": 128, "max_steps": 8, "eval_prompts": 2, "new_tokens": 8},
+
+@dataclass(frozen=True)
+class DemoBudget:
+    """How much data, training and evaluation one demo size spends."""
+
+    conversations: int
+    seq_len: int
+    epochs: int
+    max_steps: int
+    eval_prompts: int
+    new_tokens: int
+
+
+# Sized so the default demo (toy verifier build included) ends in < 15 min on a 2-core CPU.
+DEMO_BUDGETS = {
+    "default": DemoBudget(
+        conversations=400, seq_len=256, epochs=6, max_steps=120, eval_prompts=8, new_tokens=32
+    ),
+    "test": DemoBudget(conversations=48, seq_len=128, epochs=1, max_steps=8, eval_prompts=2, new_tokens=8),
 }
 
 
@@ -41,19 +58,20 @@ def demo_spec(verifier_path: str, dataset_id: str, size: str) -> dict[str, Any]:
     return {
         "name": f"demo-{size}",
         "verifier": {"name_or_path": verifier_path},
-        "dataset": {"id": dataset_id, "seq_len": b["seq_len"], "val_fraction": 0.05},
+        "dataset": {"id": dataset_id, "seq_len": b.seq_len, "val_fraction": 0.05},
         "hidden_states": {"mode": "hybrid", "dtype": "fp32"},
         "model": {"num_layers": 1, "num_depths": 4, "draft_vocab_size": None},
         "training": {
-            "epochs": 1,
-            "max_steps": b["max_steps"],
-            "total_seq_len": 4 * b["seq_len"],
+            # Later epochs read the hidden states hybrid mode cached during the first.
+            "epochs": b.epochs,
+            "max_steps": b.max_steps,
+            "total_seq_len": 4 * b.seq_len,
             "lr": 2e-3,
-            "checkpoint_every_steps": max(1, b["max_steps"] // 2),
+            "checkpoint_every_steps": max(1, b.max_steps // 2),
         },
         "evaluation": {
-            "prompts": b["eval_prompts"],
-            "max_new_tokens": b["new_tokens"],
+            "prompts": b.eval_prompts,
+            "max_new_tokens": b.new_tokens,
             "speculative_tokens": [4],
         },
     }
@@ -135,7 +153,7 @@ def _toy_inputs(size: str, work: Path) -> tuple[Path, Path]:
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
 
     verifier = build_toy_verifier(size=size)
-    data = write_toy_dataset(work / f"toy_chat_{size}.jsonl", n=DEMO_BUDGETS[size]["conversations"])
+    data = write_toy_dataset(work / f"toy_chat_{size}.jsonl", n=DEMO_BUDGETS[size].conversations)
     return verifier, data
 
 

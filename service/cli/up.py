@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from service.cli.client import fail
+from peagle_core.cli.common import fail
 
 
 def register(app: typer.Typer) -> None:

@@ -61,7 +61,12 @@ def test_multi_turn_mask_covers_exactly_the_assistant_turns(tokenizer) -> None:
     assert not has_generation_markers(tokenizer)  # the toy template exercises the prefix-rendering path
     ids, mask = tokenize_conversation(tokenizer, CONV)
 
-    assert ids == tokenizer(tokenizer.apply_chat_template(CONV, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert (
+        ids
+        == tokenizer(tokenizer.apply_chat_template(CONV, tokenize=False), add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
     spans = _spans(mask)
     assert [tokenizer.decode(ids[s:e]) for s, e in spans] == [
         "Return the square root of x.<|end|>",
@@ -104,7 +109,10 @@ def test_messages_and_sharegpt_prepare_identically(toy_verifier_dir: Path, token
 
 
 def test_tokenized_rows_pass_through(toy_verifier_dir: Path, tmp_path: Path) -> None:
-    rows = [{"input_ids": [1, 5, 6, 7, 8], "loss_mask": [0, 0, 0, 1, 1]}, {"input_ids": [1, 9, 9, 9], "loss_mask": [0, 0, 1, 1]}]
+    rows = [
+        {"input_ids": [1, 5, 6, 7, 8], "loss_mask": [0, 0, 0, 1, 1]},
+        {"input_ids": [1, 9, 9, 9], "loss_mask": [0, 0, 1, 1]},
+    ]
     ds = prepare_dataset(toy_verifier_dir, _write(tmp_path / "t.jsonl", rows), tmp_path / "out", seq_len=16)
     assert ds.manifest["source_format"] == "tokenized"
     assert ds[0][0].tolist() == [1, 5, 6, 7, 8] and ds[0][1].tolist() == [0, 0, 0, 1, 1]
@@ -112,14 +120,18 @@ def test_tokenized_rows_pass_through(toy_verifier_dir: Path, tmp_path: Path) -> 
     assert ds.manifest["num_tokens"] == 9 and ds.manifest["num_loss_tokens"] == 4
 
 
-def test_prepared_dataset_manifest_and_vocab(prepared_dataset: Path, toy_verifier_dir: Path, toy_dataset_path: Path) -> None:
+def test_prepared_dataset_manifest_and_vocab(
+    prepared_dataset: Path, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
     ds = PreparedDataset.open(prepared_dataset)
     m = ds.manifest
     assert m["num_samples"] == len(ds) == len(toy_dataset_path.read_text().splitlines())
     assert m["num_tokens"] == sum(ds.lengths)
     assert m["num_loss_tokens"] == sum(int(ds[i][1].sum()) for i in range(len(ds)))
     assert max(ds.lengths) <= m["seq_len"]
-    assert ds.mask_token_id == json.loads((toy_verifier_dir / "toy_verifier.json").read_text())["mask_token_id"]
+    assert (
+        ds.mask_token_id == json.loads((toy_verifier_dir / "toy_verifier.json").read_text())["mask_token_id"]
+    )
     assert len(m["fingerprint"]) == 64
     # draft vocabulary: target_id = i + d2t[i], exactly the ids t2d marks, the most frequent targets
     assert ds.d2t.dtype == torch.int64 and ds.t2d.dtype == torch.bool
@@ -158,12 +170,21 @@ def test_draft_vocab_identity_and_ties() -> None:
 
 BAD_ROWS = [
     ([{"messages": CONV}, '{"messages": [', {"messages": CONV}], "line 2: malformed JSON"),
-    ([{"messages": CONV}, {"messages": [{"role": "robot", "content": "hi"}]}], "line 2: messages[0]: unknown role 'robot'"),
+    (
+        [{"messages": CONV}, {"messages": [{"role": "robot", "content": "hi"}]}],
+        "line 2: messages[0]: unknown role 'robot'",
+    ),
     ([{"messages": []}], "line 1: empty conversation"),
     ([{"messages": [{"role": "system", "content": "x"}]}], "line 1: empty conversation"),
     ([{"messages": CONV}, {"messages": [{"role": "user", "content": "hi"}]}], "line 2: no assistant turn"),
-    ([{"messages": CONV}, "", {"messages": [{"role": "user"}]}], "line 3: messages[0] has no 'content' string"),
-    ([{"conversations": [{"from": "alien", "value": "x"}]}], "line 1: conversations[0]: unknown role 'alien'"),
+    (
+        [{"messages": CONV}, "", {"messages": [{"role": "user"}]}],
+        "line 3: messages[0] has no 'content' string",
+    ),
+    (
+        [{"conversations": [{"from": "alien", "value": "x"}]}],
+        "line 1: conversations[0]: unknown role 'alien'",
+    ),
     ([{"messages": CONV}, SHAREGPT], "line 2: expected a messages row"),
     ([{"input_ids": [1, 2, 3], "loss_mask": [0, 1]}], "line 1: 'loss_mask' has 2 entries"),
     ([{"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}], "line 1: 'loss_mask' is all zeros"),
@@ -193,7 +214,9 @@ def test_validate_reports_rows_and_format(tmp_path: Path) -> None:
 
 
 def test_prepare_refuses_rows_with_nothing_trainable(toy_verifier_dir: Path, tmp_path: Path) -> None:
-    long_prompt = {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]}
+    long_prompt = {
+        "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
+    }
     path = _write(tmp_path / "d.jsonl", [{"messages": CONV}, long_prompt])
     with pytest.raises(DataError, match=r"line 2: no assistant token left to train on within seq_len=64"):
         prepare_dataset(toy_verifier_dir, path, tmp_path / "out", seq_len=64)

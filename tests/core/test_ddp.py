@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.core.test_train import make_spec
+from tests.core.helpers import make_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

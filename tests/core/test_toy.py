@@ -79,4 +79,3 @@ def test_toy_cli_writes_dataset(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10 and all("messages" in r for r in rows)
     assert out.read_bytes() == write_toy_dataset(tmp_path / "again.jsonl", n=10).read_bytes()
-

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from peagle_core.checkpoint import latest_checkpoint
 from peagle_core.export import validate_checkpoint
-from peagle_core.spec import JobSpec, parse_spec
+from peagle_core.spec import JobSpec
 from peagle_core.train import train
+from tests.core.helpers import assert_same_weights, final_weights, make_spec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,41 +32,12 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def make_spec(verifier_dir: Path, data_path: Path, **training) -> JobSpec:
-    return parse_spec(
-        {
-            "verifier": {"name_or_path": str(verifier_dir)},
-            "dataset": {"path": str(data_path), "seq_len": 128, "val_fraction": 0.1},
-            "hidden_states": {"mode": "online"},
-            "model": {"num_layers": 1, "num_depths": 3, "draft_vocab_size": 256},
-            "training": {
-                "total_seq_len": 256,
-                "lr": 1e-3,
-                "warmup_ratio": 0.2,
-                "seed": 7,
-                **training,
-            },
-            "evaluation": {"prompts": 2, "max_new_tokens": 8, "speculative_tokens": [1, 3]},
-        }
-    )
-
-
 @pytest.fixture
 def spec_for(toy_verifier_dir: Path, toy_dataset_path: Path):
     def build(**training) -> JobSpec:
         return make_spec(toy_verifier_dir, toy_dataset_path, **training)
 
     return build
-
-
-def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(latest_checkpoint(out / "checkpoints") / "model.safetensors"))
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_full_run_reports_checkpoints_evaluates_and_exports(
@@ -138,6 +109,7 @@ _KILL_SCRIPT = """
 import sys, threading
 from peagle_core.spec import load_spec
 from peagle_core.train import train
+from tests.core.helpers import assert_same_weights, final_weights, make_spec
 
 spec = load_spec(sys.argv[1])
 stall_at = int(sys.argv[4])
@@ -221,3 +193,24 @@ def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: P
     for name in whole:
         torch.testing.assert_close(parts[name], whole[name], rtol=1e-4, atol=1e-6, msg=name)
     torch.testing.assert_close(parts_metrics["loss"], whole_metrics["loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_second_epoch_reads_the_cache_without_the_verifier(
+    toy_verifier_dir: Path, toy_dataset_path: Path, prepared_dataset: Path, tmp_path: Path
+) -> None:
+    spec = make_spec(toy_verifier_dir, toy_dataset_path, mode="hybrid", epochs=2, checkpoint_every_steps=1000)
+    spec.evaluation.prompts = 1
+    epochs = []
+    result = train(
+        spec,
+        tmp_path / "run",
+        dataset_dir=prepared_dataset,
+        on_event=lambda kind, msg, data: kind == "epoch" and epochs.append(data),
+    )
+    assert result.status == "completed"
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    first, second = epochs
+    assert first["verifier_calls"] > 0 and first["cache_misses"] > 0
+    assert second["verifier_calls"] == 0 and second["cache_misses"] == 0
+    assert second["cache_hits"] == first["cache_misses"]  # every sample computed once, then read
+    assert result.metrics["verifier_calls"] == first["verifier_calls"]

@@ -1,9 +1,13 @@
-"""Artifact store: atomic writes, verified publishing, ranges, key checks (local dir and an fsspec remote)."""
+"""Artifact store: atomic writes, verified publishing, ranges, key checks (a local dir, fsspec's memory
+filesystem, and S3 through s3fs against a local moto server)."""
 
 from __future__ import annotations
 
+import socket
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,10 +15,36 @@ from peagle_core.io import sha256_file
 from worker.artifacts import ArtifactError, ArtifactStore, ArtifactTooLarge, manifest_sha256
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(scope="session")
+def s3_options() -> Iterator[dict[str, Any]]:
+    """fsspec storage options for a moto S3 server on a free local port (the `[dev]` extras)."""
+    pytest.importorskip("s3fs", reason="the s3 store test needs the [dev] extras (s3fs)")
+    moto_server = pytest.importorskip("moto.server", reason="the s3 store test needs moto[server]")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "eu-west-1"},
+        }
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
 def store(request, tmp_path: Path) -> ArtifactStore:
     if request.param == "local":
         return ArtifactStore(tmp_path / "artifacts")
+    if request.param == "s3":
+        options = request.getfixturevalue("s3_options")
+        bucket = f"peagle-test-{uuid.uuid4().hex[:12]}"
+        s3 = ArtifactStore(f"s3://{bucket}", **options)
+        s3.fs.mkdir(bucket)
+        return ArtifactStore(f"s3://{bucket}/root", **options)
     # memory:// stands in for an object store: no local paths, rename is copy+delete.
     return ArtifactStore(f"memory://peagle-test-{uuid.uuid4().hex}")
 

@@ -189,7 +189,8 @@ def test_offline_and_hybrid_jobs_fill_the_cache(
         toy_spec(
             toy_verifier_dir,
             toy_dataset_path,
-            hidden_states={"mode": "hybrid"},
+            # Another storage dtype than the offline job's, so the hybrid job fills a cache of its own.
+            hidden_states={"mode": "hybrid", "dtype": "fp32"},
             training={"epochs": 2, "max_steps": None, "checkpoint_every_steps": 1000},
         )
     )
@@ -206,3 +207,56 @@ def test_offline_and_hybrid_jobs_fill_the_cache(
         assert manifest["shards"], "the cache was filled"
     epochs = {m.get("epoch") for m in stack.metrics(hybrid) if "loss" in m}
     assert epochs == {0, 1}
+    # The hybrid job ran the verifier in its first epoch only; the second read everything from the cache.
+    first, second = [e.data for e in stack.events(hybrid) if e.data and e.data.get("kind") == "epoch"]
+    assert (first["epoch"], second["epoch"]) == (0, 1)
+    assert first["verifier_calls"] > 0 and first["cache_misses"] > 0
+    assert second["verifier_calls"] == 0 and second["cache_misses"] == 0
+    assert second["cache_hits"] > 0
+    (ckpt,) = stack.checkpoints(hybrid)
+    assert ckpt.metrics["verifier_calls"] == first["verifier_calls"]
+
+
+def test_two_rank_job_runs_under_torchrun(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path
+) -> None:
+    # No GPUs here: the explicit opt-in runs the two ranks as CPU processes over gloo.
+    stack.env.update(PEAGLE_ALLOW_CPU_MULTIPROCESS="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    spec = toy_spec(toy_verifier_dir, toy_dataset_path, resources={"gpus": 2}, evaluation={"prompts": 1})
+    job_id = stack.submit(spec)
+    stack.run_burst(timeout=600)
+    job = stack.job(job_id)
+    assert job.status == "succeeded", (job.error, [e.message for e in stack.events(job_id)])
+
+    events = stack.events(job_id)
+    ranks = sorted(e.data["rank"] for e in events if e.data and e.data.get("kind") == "rank")
+    assert ranks == [0, 1]
+    (train_event,) = [
+        e for e in events if e.type == "stage" and e.message == "training" and "world_size" in e.data
+    ]
+    assert train_event.data["world_size"] == 2
+    train_steps = sorted({m["step"] for m in stack.metrics(job_id) if "loss" in m})
+    assert train_steps == [1, 2, 3, 4]  # rank 0 reports once per step, not once per rank
+
+    (ckpt,) = stack.checkpoints(job_id)
+    store = ArtifactStore(stack.settings.artifact_root)
+    assert store.verify_files(ckpt.uri, ckpt.files) == []
+    out = tmp_path / "download"
+    store.fetch_dir(ckpt.uri, out)
+    res = subprocess.run([*PEAGLE, "export", "validate", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_more_gpus_than_the_worker_has_fails_clearly(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    stack.env.update(CUDA_VISIBLE_DEVICES="")
+    stack.env.pop("PEAGLE_ALLOW_CPU_MULTIPROCESS", None)
+    job_id = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path, resources={"gpus": 2}))
+    stack.run_burst()
+    job = stack.job(job_id)
+    assert job.status == "failed"
+    assert job.error["code"] == "insufficient_gpus"
+    assert job.error["param"] == "resources.gpus"
+    assert "sees 0 GPU(s)" in job.error["message"]
+    assert stack.checkpoints(job_id) == []

@@ -1,0 +1,95 @@
+"""The verifier runner: aux/last hidden states, logits, fingerprint, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle_core.errors import VerifierError
+from peagle_core.spec import default_layer_ids
+from peagle_core.verifier import Verifier
+
+
+def test_hidden_states_shapes_and_sources(toy_verifier: Verifier) -> None:
+    v = toy_verifier
+    assert v.layer_ids == default_layer_ids(v.num_layers)
+    assert v.dtype == torch.float32 and v.device.type == "cpu"
+    ids = torch.randint(0, v.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    calls = v.calls
+    aux, last = v.hidden_states(ids)
+    assert v.calls == calls + 1
+    assert aux.shape == (2, 9, 3 * v.hidden_size) and last.shape == (2, 9, v.hidden_size)
+
+    with torch.inference_mode():
+        ref = v.model(input_ids=ids, output_hidden_states=True)
+    # aux: hidden_states[i] (the input of decoder layer i) for each layer id, in order
+    expected = torch.cat([ref.hidden_states[i] for i in v.layer_ids], dim=-1)
+    torch.testing.assert_close(aux, expected, rtol=0, atol=0)
+    # last: the final norm's input, so norm + lm_head reproduces the logits
+    torch.testing.assert_close(v.final_norm(last) @ v.lm_head_weight.T, ref.logits, rtol=1e-5, atol=1e-5)
+    # ... and it is not the already-normed tensor
+    assert not torch.allclose(last, v.final_norm(last), atol=1e-3)
+
+    logits, aux2 = v.logits(ids)
+    assert logits.shape == (2, 9, v.vocab_size)
+    torch.testing.assert_close(aux2, aux)
+    torch.testing.assert_close(logits, ref.logits)
+
+
+def test_padded_batch_matches_single_sequences(toy_verifier: Verifier) -> None:
+    a = torch.tensor([[2, 10, 11, 12, 13, 14]])
+    b = torch.tensor([[2, 20, 21]])
+    batch = torch.tensor([[2, 10, 11, 12, 13, 14], [2, 20, 21, 0, 0, 0]])
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]])
+    aux, last = toy_verifier.hidden_states(batch, attention_mask=mask)
+    aux_a, last_a = toy_verifier.hidden_states(a)
+    aux_b, last_b = toy_verifier.hidden_states(b)
+    torch.testing.assert_close(aux[0], aux_a[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last[0], last_a[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux[1, :3], aux_b[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last[1, :3], last_b[0], rtol=1e-5, atol=1e-5)
+
+
+def test_fingerprint_is_stable_and_weight_sensitive(toy_verifier: Verifier, toy_verifier_dir: Path) -> None:
+    fp = toy_verifier.fingerprint
+    assert len(fp) == 64 and fp == toy_verifier.fingerprint
+    other = Verifier.load(str(toy_verifier_dir), device="cpu")
+    assert other.fingerprint == fp
+    fresh = Verifier.load(str(toy_verifier_dir), device="cpu")
+    with torch.no_grad():
+        fresh.model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
+    assert fresh.fingerprint != fp
+
+
+def test_explicit_layer_ids_and_errors(toy_verifier_dir: Path, tmp_path: Path) -> None:
+    v = Verifier.load(str(toy_verifier_dir), device="cpu", layer_ids=[1, 2, 3])
+    aux, _ = v.hidden_states(torch.tensor([[2, 5, 6]]))
+    with torch.inference_mode():
+        ref = v.model(input_ids=torch.tensor([[2, 5, 6]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(aux[..., : v.hidden_size], ref[1])
+    torch.testing.assert_close(aux[..., -v.hidden_size :], ref[3])
+
+    with pytest.raises(VerifierError, match="layer_ids") as exc:
+        Verifier.load(str(toy_verifier_dir), device="cpu", layer_ids=[1, 2, 9])
+    assert exc.value.code == "verifier_unsupported"
+    with pytest.raises(VerifierError) as exc:
+        Verifier.load(str(tmp_path / "missing"))
+    assert exc.value.code == "verifier_not_found"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(VerifierError) as exc:
+        Verifier.load(str(tmp_path / "empty"))
+    assert exc.value.code in ("verifier_not_found", "verifier_unavailable")
+
+
+@pytest.mark.cuda
+def test_cuda_runs_bf16_and_matches_cpu(toy_verifier: Verifier, toy_verifier_dir: Path) -> None:
+    v = Verifier.load(str(toy_verifier_dir), device="cuda")
+    assert v.dtype == torch.bfloat16 and v.device.type == "cuda"
+    ids = torch.randint(0, v.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    aux, last = v.hidden_states(ids)
+    assert aux.dtype == torch.bfloat16 and aux.device.type == "cuda"
+    ref_aux, ref_last = toy_verifier.hidden_states(ids)
+    torch.testing.assert_close(aux.float().cpu(), ref_aux, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(last.float().cpu(), ref_last, rtol=0.05, atol=0.05)
