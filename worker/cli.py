@@ -19,6 +19,13 @@ def register(app: typer.Typer) -> None:
             help="GPU index to run a worker on (repeatable or comma-separated); default: one worker per "
             "visible GPU, or a single CPU worker without GPUs.",
         ),
+        gpus_per_worker: int = typer.Option(
+            1,
+            "--gpus-per-worker",
+            min=1,
+            help="GPUs each worker sees; use N for a queue of jobs with resources.gpus = N (trained under "
+            "torchrun inside the job).",
+        ),
         burst: bool = typer.Option(False, "--burst", help="Exit once the queues are empty."),
         reconcile: bool = typer.Option(
             True, "--reconcile/--no-reconcile", help="Run the crash-recovery reconciler beside the workers."
@@ -28,10 +35,17 @@ def register(app: typer.Typer) -> None:
         import logging
 
         from service.settings import get_settings
-        from worker.main import run_pool, visible_gpus
+        from worker.main import group_gpus, run_pool, visible_gpus
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        code = run_pool(get_settings(), queue, gpus=visible_gpus(gpu), burst=burst, reconcile=reconcile)
+        gpus = visible_gpus(gpu)
+        groups = group_gpus(gpus, gpus_per_worker) if gpus else []
+        if gpus and not groups:
+            raise typer.BadParameter(
+                f"{len(gpus)} GPU(s) visible, fewer than --gpus-per-worker {gpus_per_worker}",
+                param_hint="--gpus-per-worker",
+            )
+        code = run_pool(get_settings(), queue, gpus=groups, burst=burst, reconcile=reconcile)
         raise typer.Exit(code)
 
     @app.command("reconcile")

@@ -39,6 +39,18 @@ def visible_gpus(requested: list[str] | None = None) -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def group_gpus(gpus: list[str], per_worker: int) -> list[str]:
+    """Split GPU indices into per-worker CUDA_VISIBLE_DEVICES values of `per_worker` GPUs each.
+
+    A multi-GPU job (resources.gpus = N) needs a worker that sees N GPUs; leftover GPUs that do not
+    fill a group are left idle rather than given a worker that would refuse such jobs.
+    """
+    if per_worker < 1:
+        raise ValueError("gpus_per_worker must be >= 1")
+    groups = [gpus[i : i + per_worker] for i in range(0, len(gpus), per_worker)]
+    return [",".join(g) for g in groups if len(g) == per_worker]
+
+
 def run_worker(
     settings: Settings, queues: list[str], *, burst: bool = False, name: str | None = None
 ) -> bool:
@@ -60,7 +72,8 @@ def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
 def run_pool(
     settings: Settings, queues: list[str], *, gpus: list[str], burst: bool = False, reconcile: bool = True
 ) -> int:
-    """One worker per GPU in `gpus` (one CPU worker when empty) and, unless `burst`, a reconciler sidecar."""
+    """One worker per entry of `gpus` (a CUDA_VISIBLE_DEVICES value such as "0" or "0,1"; one CPU worker
+    when empty) and, unless `burst`, a reconciler sidecar."""
     env = dict(os.environ)
     sidecar = _child(["reconcile"], env) if reconcile and not burst else None
     try:
@@ -73,7 +86,7 @@ def run_pool(
         children = []
         for gpu in gpus:
             child_env = {**env, "CUDA_VISIBLE_DEVICES": gpu}
-            name = f"{host}.{os.getpid()}.gpu{gpu}"
+            name = f"{host}.{os.getpid()}.gpu{gpu.replace(',', '-')}"
             children.append(
                 _child(["rq", "--name", name, *(["--burst"] if burst else []), *queues], child_env)
             )

@@ -175,8 +175,12 @@ class Stack:
 
 
 @pytest.fixture
-def stack(make_settings: Callable[..., Any], redis_conn: Any, tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(make_settings(worker_heartbeat_s=1.0, cancel_grace_s=60.0), redis_conn, tmp_path)
+def stack(
+    make_settings: Callable[..., Any], isolated_db_url: str, redis_conn: Any, tmp_path: Path
+) -> Iterator[Stack]:
+    # Workers and the reconciler act on every job in the database: give each test a database of its own.
+    settings = make_settings(database_url=isolated_db_url, worker_heartbeat_s=1.0, cancel_grace_s=60.0)
+    s = Stack(settings, redis_conn, tmp_path)
     try:
         yield s
     finally:
