@@ -299,9 +299,15 @@ class PeagleClient:
         out_dir: str | Path,
         *,
         on_bytes: Callable[[int], None] | None = None,
+        on_total: Callable[[int], None] | None = None,
     ) -> Path:
-        """Download every file of a checkpoint into `out_dir` (resumable, sha256-verified per file)."""
+        """Download every file of a checkpoint into `out_dir` (resumable, sha256-verified per file).
+
+        `on_total(bytes)` is called once with the checkpoint's size, `on_bytes(n)` as bytes arrive.
+        """
         ckpt = self.get_checkpoint(checkpoint_id)
+        if on_total is not None:
+            on_total(sum(int(f["size"]) for f in ckpt["files"]))
         out = Path(out_dir)
         for f in ckpt["files"]:
             self.download_file(

@@ -235,19 +235,14 @@ def download_with_progress(client: PeagleClient, checkpoint_id: str, out: Path) 
     """Download with a byte progress bar on stderr."""
     from tqdm import tqdm
 
-    ckpt = client.get_checkpoint(checkpoint_id)
-    total = sum(int(f["size"]) for f in ckpt["files"])
     # disable=None: no bar when stderr is not a terminal (logs, pipes).
-    with tqdm(total=total, unit="B", unit_scale=True, desc=checkpoint_id, leave=False, disable=None) as bar:
-        for f in ckpt["files"]:
-            client.download_file(
-                checkpoint_id,
-                f["name"],
-                out / f["name"],
-                sha256=f["sha256"],
-                size=f["size"],
-                on_bytes=bar.update,
-            )
+    with tqdm(unit="B", unit_scale=True, desc=checkpoint_id, leave=False, disable=None) as bar:
+
+        def set_total(total: int) -> None:
+            bar.total = total
+            bar.refresh()
+
+        client.download_checkpoint(checkpoint_id, out, on_bytes=bar.update, on_total=set_total)
     return out
 
 

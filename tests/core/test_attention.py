@@ -11,15 +11,6 @@ from peagle_core.attention import AttentionLayout, parallel_group_attention, par
 from peagle_core.cod import sample_cod_indices
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only add contention on a shared CI machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _packed_case(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     docs = torch.tensor([0] * 17 + [1] * 9 + [2] * 21 + [-1] * 6)

@@ -10,15 +10,6 @@ import torch
 from peagle_core.cod import sample_cod_indices
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only add contention on a shared CI machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _by_depth(anchor: torch.Tensor, depth: torch.Tensor) -> dict[int, list[int]]:
     return {int(d): anchor[depth == d].tolist() for d in depth.unique()}
 

@@ -10,15 +10,6 @@ import torch
 from peagle_core.evaluate import evaluate, greedy_decode, held_out_prompts, prompt_of, speculative_decode
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The test-size models are tiny: one intra-op thread is faster and immune to CPU oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def drafter_and_prompts(toy_verifier, prepared_dataset: Path):
     from peagle_core.data import PreparedDataset

@@ -15,15 +15,6 @@ from peagle_core.model import PEagleConfig, PEagleDraftModel
 H, VOCAB, DRAFT_VOCAB = 32, 97, 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only add contention on a shared CI machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_model(seed: int = 0, num_layers: int = 2, num_depths: int = 4, **overrides) -> PEagleDraftModel:
     torch.manual_seed(seed)
     config = PEagleConfig(

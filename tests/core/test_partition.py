@@ -14,14 +14,6 @@ from peagle_core.partition import partitioned_backward
 H, VOCAB = 32, 60
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model() -> PEagleDraftModel:
     torch.manual_seed(0)
     cfg = PEagleConfig(

@@ -23,15 +23,6 @@ from tests.core.helpers import assert_same_weights, final_weights, make_spec
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The test-size models are tiny: one intra-op thread is faster and immune to CPU oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def spec_for(toy_verifier_dir: Path, toy_dataset_path: Path):
     def build(**training) -> JobSpec:
