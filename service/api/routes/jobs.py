@@ -243,10 +243,14 @@ async def _follow(request: Request, job_id: str, after: int | None, poll_s: floa
     sessions = request.app.state.sessions
 
     def poll(cursor: int | None) -> tuple[list[schemas.Event], str | None]:
+        # Status first, events second: the two reads need not share a snapshot (SQLite autocommits
+        # each SELECT), and a terminal status read first guarantees the events read after include the
+        # terminal transition's event.
         with sessions() as db:
-            rows, _ = events_crud.events_after(db, job_id, cursor, 500)
             job = db.get(Job, job_id)
-            return [schemas.Event.model_validate(e) for e in rows], job.status if job else None
+            status = job.status if job else None
+            rows, _ = events_crud.events_after(db, job_id, cursor, 500)
+            return [schemas.Event.model_validate(e) for e in rows], status
 
     cursor = after
     idle = 0.0
@@ -255,7 +259,7 @@ async def _follow(request: Request, job_id: str, after: int | None, poll_s: floa
         for ev in events:
             cursor = ev.id
             yield f"id: {ev.id}\nevent: {ev.type}\ndata: {ev.model_dump_json()}\n\n".encode()
-        # Status was read after the events, so a terminal status here means nothing more will come.
+        # A terminal status with nothing new after it: the stream is drained.
         if (status is None or jobstate.is_terminal(status)) and not events:
             yield f"event: end\ndata: {json.dumps({'status': status})}\n\n".encode()
             return
