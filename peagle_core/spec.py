@@ -93,6 +93,10 @@ class ModelSpec(_Strict):
     )
     norm_before_residual: bool = True
     init_embeddings_from_verifier: bool = True
+    init_lm_head_from_verifier: bool = Field(
+        default=True,
+        description="Start the drafter's lm_head from the verifier's draft-vocab rows (faster early training).",
+    )
 
 
 class TrainingSpec(_Strict):

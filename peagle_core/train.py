@@ -119,7 +119,7 @@ def build_source(spec: JobSpec, dataset: Any, verifier: Any, cache_root: Path, i
 
 
 def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device):
-    """A fresh drafter shaped by the verifier: embeddings copied from it, its frozen head, the data's vocab map."""
+    """A fresh drafter shaped by the verifier: embeddings (and lm_head) copied from it, its frozen head, the vocab map."""
     from peagle_core.model import PEagleConfig, PEagleDraftModel
 
     m = spec.model
@@ -140,7 +140,13 @@ def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device
     model = PEagleDraftModel(config)
     if m.init_embeddings_from_verifier:
         model.init_embeddings(verifier.embed_weight.detach().float().cpu())
-    model.load_verifier_head(verifier.final_norm, verifier.lm_head_weight, dataset.t2d, dataset.d2t)
+    model.load_verifier_head(
+        verifier.final_norm,
+        verifier.lm_head_weight,
+        dataset.t2d,
+        dataset.d2t,
+        init_lm_head=m.init_lm_head_from_verifier,
+    )
     return model.to(device)
 
 
