@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--num-depths", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup-ratio", type=float, default=0.03)
     parser.add_argument("--total-seq-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")

@@ -47,6 +47,9 @@ QUESTIONS = (
 )
 FOLLOW_UPS = ("And {name}?", "What about {name}?", "How about {name}?")
 SYSTEM_PROMPT = "You are a helpful assistant for the Python standard library."
+# Names that other libraries replace on import (torch swaps in its own `inspect.getfile`): left in, the
+# corpus and so the verifier's cache key would depend on what the process imported first.
+UNSTABLE_NAMES = frozenset({"inspect.getfile"})
 
 BOS, EOS, PAD, MASK = "<|bos|>", "<|end|>", "<|pad|>", "<|mask|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -121,7 +124,7 @@ def stdlib_docs() -> list[tuple[str, str]]:
             continue
         real_name = mod.__name__
         for attr in sorted(dir(mod)):
-            if attr.startswith("_"):
+            if attr.startswith("_") or f"{mod_name}.{attr}" in UNSTABLE_NAMES:
                 continue
             obj = getattr(mod, attr, None)
             if not (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)):

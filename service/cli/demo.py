@@ -40,8 +40,9 @@ class DemoBudget:
 
 # Sized so the default demo (toy verifier build included) ends in < 15 min on a 2-core CPU.
 DEMO_BUDGETS = {
+    # ~50 packed batches per epoch: four epochs, the last three read the hybrid cache.
     "default": DemoBudget(
-        conversations=400, seq_len=256, epochs=6, max_steps=120, eval_prompts=8, new_tokens=32
+        conversations=1200, seq_len=256, epochs=4, max_steps=200, eval_prompts=8, new_tokens=32
     ),
     "test": DemoBudget(conversations=48, seq_len=128, epochs=1, max_steps=8, eval_prompts=2, new_tokens=8),
 }

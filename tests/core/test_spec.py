@@ -16,6 +16,9 @@ def test_defaults_follow_the_parameter_table() -> None:
     assert (spec.model.num_layers, spec.model.num_depths) == (4, 4)
     assert (spec.model.down_sample_ratio, spec.model.down_sample_ratio_min) == (0.7, 0.2)
     assert spec.model.norm_before_residual is True
+    assert spec.model.init_lm_head_from_verifier is True
+    off = parse_spec({**BASE, "model": {"init_lm_head_from_verifier": False}})
+    assert off.model.init_lm_head_from_verifier is False
     assert spec.training.lr == 6e-4
     assert spec.speculative_tokens == [4]
 

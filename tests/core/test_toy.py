@@ -71,6 +71,23 @@ def test_corpus_is_deterministic_and_well_formed() -> None:
     assert answers and all("JSON" in a for a in answers)
 
 
+def test_corpus_does_not_depend_on_what_the_process_imported(monkeypatch) -> None:
+    import inspect
+
+    from peagle_core.toy import stdlib_docs
+
+    def getfile(obj):
+        """Return the file an object was defined in."""
+        return "x"
+
+    # torch replaces inspect.getfile on import: the corpus must be the same before and after.
+    getfile.__module__ = "inspect"
+    monkeypatch.setattr(inspect, "getfile", getfile)
+    native = stdlib_docs()
+    getfile.__module__ = "torch.package.package_importer"
+    assert stdlib_docs() == native
+
+
 def test_toy_cli_writes_dataset(tmp_path: Path) -> None:
     out = tmp_path / "toy.jsonl"
     result = CliRunner().invoke(build_app(), ["toy", "dataset", "--out", str(out), "--n", "10"])

@@ -205,3 +205,18 @@ def test_hybrid_second_epoch_reads_the_cache_without_the_verifier(
     assert second["verifier_calls"] == 0 and second["cache_misses"] == 0
     assert second["cache_hits"] == first["cache_misses"]  # every sample computed once, then read
     assert result.metrics["verifier_calls"] == first["verifier_calls"]
+
+
+@pytest.mark.parametrize("init", [True, False])
+def test_lm_head_starts_from_the_verifier_rows_when_asked(
+    spec_for, toy_verifier, prepared_dataset: Path, init: bool
+) -> None:
+    from peagle_core.data import PreparedDataset
+    from peagle_core.train import build_model
+
+    spec = spec_for()
+    spec.model.init_lm_head_from_verifier = init
+    dataset = PreparedDataset.open(prepared_dataset)
+    model = build_model(spec, toy_verifier, dataset, torch.device("cpu"))
+    rows = toy_verifier.lm_head_weight[torch.arange(dataset.d2t.numel()) + dataset.d2t].float()
+    assert torch.equal(model.lm_head.weight.detach(), rows) is init
