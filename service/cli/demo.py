@@ -40,9 +40,9 @@ class DemoBudget:
 
 # Sized so the default demo (toy verifier build included) ends in < 15 min on a 2-core CPU.
 DEMO_BUDGETS = {
-    # ~50 packed batches per epoch: four epochs, the last three read the hybrid cache.
+    # ~50 packed batches per epoch: four epochs, the last three read the hybrid cache (~4 min on 2 cores).
     "default": DemoBudget(
-        conversations=1200, seq_len=256, epochs=4, max_steps=200, eval_prompts=8, new_tokens=32
+        conversations=1200, seq_len=256, epochs=4, max_steps=200, eval_prompts=16, new_tokens=32
     ),
     "test": DemoBudget(conversations=48, seq_len=128, epochs=1, max_steps=8, eval_prompts=2, new_tokens=8),
 }
@@ -61,7 +61,7 @@ def demo_spec(verifier_path: str, dataset_id: str, size: str) -> dict[str, Any]:
         "verifier": {"name_or_path": verifier_path},
         "dataset": {"id": dataset_id, "seq_len": b.seq_len, "val_fraction": 0.05},
         "hidden_states": {"mode": "hybrid", "dtype": "fp32"},
-        "model": {"num_layers": 1, "num_depths": 4, "draft_vocab_size": None},
+        "model": {"num_depths": 4, "draft_vocab_size": None},
         "training": {
             # Later epochs read the hidden states hybrid mode cached during the first.
             "epochs": b.epochs,
