@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import (
 from peagle_core.attention import AttentionLayout, Backend, parallel_group_attention
 from peagle_core.cod import sample_cod_indices
 from peagle_core.loss import fused_kl_loss
+from peagle_core.spec import default_layer_ids
 
 
 class PEagleConfig(BaseModel):
@@ -97,7 +98,7 @@ class PEagleConfig(BaseModel):
             "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
             "vocab_size": text.vocab_size,
             "draft_vocab_size": min(32000, text.vocab_size),
-            "aux_layer_ids": [2, num_layers // 2, num_layers - 3],
+            "aux_layer_ids": default_layer_ids(num_layers),
             "mask_token_id": pad if pad is not None else text.vocab_size - 1,
             "verifier_name_or_path": getattr(text, "_name_or_path", None) or None,
             "verifier_architectures": list(getattr(hf_config, "architectures", None) or []),
