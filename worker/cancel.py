@@ -8,6 +8,7 @@ reconciler tells a live job from one whose worker died.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 
 from sqlalchemy import select, update
@@ -16,6 +17,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.db.models import Job, utcnow
 
 log = logging.getLogger(__name__)
+
+
+# The signal a forking worker sends its work horse to ask for a checkpoint-and-requeue.
+PREEMPT_SIGNAL = signal.SIGUSR1
 
 
 class JobMonitor:
@@ -38,11 +43,20 @@ class JobMonitor:
         self.heartbeat_s = heartbeat_s
         self.cancel_requested = threading.Event()
         self.lost = threading.Event()
+        self.preempted = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"monitor-{job_id}", daemon=True)
 
     def should_stop(self) -> bool:
-        return self.cancel_requested.is_set() or self.lost.is_set()
+        return self.cancel_requested.is_set() or self.lost.is_set() or self.preempted.is_set()
+
+    def stop_on_signal(self, signum: int = PREEMPT_SIGNAL) -> None:
+        """Treat `signum` as "the worker is shutting down": stop at the next step with a checkpoint.
+
+        The forking worker sends it to its work horse on a warm shutdown (Ctrl-C, SIGTERM from a
+        supervisor or an orchestrator draining the node). Must be called from the main thread.
+        """
+        signal.signal(signum, lambda *_: self.preempted.set())
 
     def start(self) -> JobMonitor:
         self._thread.start()

@@ -8,6 +8,7 @@ therefore runs as a sidecar process rather than a thread in the forking parent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -51,17 +52,35 @@ def group_gpus(gpus: list[str], per_worker: int) -> list[str]:
     return [",".join(g) for g in groups if len(g) == per_worker]
 
 
+def _peagle_worker_class() -> type:
+    from rq import Worker
+
+    from worker.cancel import PREEMPT_SIGNAL
+
+    class PeagleWorker(Worker):
+        """RQ's forking worker, plus: a warm shutdown asks the running job to checkpoint and requeue
+        (instead of waiting hours for it to finish)."""
+
+        def handle_warm_shutdown_request(self) -> None:
+            super().handle_warm_shutdown_request()
+            if self.horse_pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.horse_pid, PREEMPT_SIGNAL)
+
+    return PeagleWorker
+
+
 def run_worker(
     settings: Settings, queues: list[str], *, burst: bool = False, name: str | None = None
 ) -> bool:
     """Run one forking RQ worker in this process until stopped (or, with `burst`, until the queues are empty)."""
-    from rq import Worker
-
     from service.queue import redis_from_url
 
     # Blocking dequeues outlive a short socket timeout.
     redis = redis_from_url(settings.redis_url, socket_timeout=None)
-    worker = Worker(queues, connection=redis, name=name or f"{socket.gethostname()}.{os.getpid()}")
+    worker = _peagle_worker_class()(
+        queues, connection=redis, name=name or f"{socket.gethostname()}.{os.getpid()}"
+    )
     return worker.work(burst=burst, logging_level="INFO", with_scheduler=False)
 
 

@@ -117,6 +117,7 @@ class JobRunner:
         monitor = JobMonitor(
             self.sessions, self.job_id, self.worker_name, heartbeat_s=self.settings.worker_heartbeat_s
         ).start()
+        monitor.stop_on_signal()
         progress = ProgressWriter(self.sessions, self.job_id, attempt=job.attempt).start()
         try:
             try:
@@ -128,7 +129,11 @@ class JobRunner:
             if monitor.lost.is_set():
                 log.warning("job %s is no longer ours; dropping its result", self.job_id)
                 return "lost"
-            if outcome.status == "stopped" or monitor.cancel_requested.is_set():
+            if monitor.cancel_requested.is_set():
+                return self._finish_cancelled(outcome)
+            if outcome.status == "stopped" and monitor.preempted.is_set():
+                return self._requeue_preempted(outcome)
+            if outcome.status == "stopped":
                 return self._finish_cancelled(outcome)
             return self._publish(job, spec, outcome)
         except Exception as exc:
@@ -189,6 +194,20 @@ class JobRunner:
             session.expunge(job)
         log.info("job %s claimed by %s (attempt %d)", self.job_id, self.worker_name, job.attempt)
         return job
+
+    def _requeue_preempted(self, outcome: Outcome) -> str:
+        """The worker is shutting down: hand the job back; the reconciler re-enqueues it and the next
+        attempt resumes from the checkpoint just saved."""
+        with self.sessions() as session:
+            moved = jobstate.transition(
+                session,
+                self.job_id,
+                "queued",
+                expect=("running",),
+                event=f"worker shutting down; checkpoint saved at step {outcome.step}, job requeued",
+                event_data={"step": outcome.step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
+            )
+        return "queued" if moved else "lost"
 
     def _finish_cancelled(self, outcome: Outcome) -> str:
         step = outcome.step

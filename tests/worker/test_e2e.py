@@ -127,6 +127,48 @@ def test_cancel_during_training_saves_a_checkpoint(
     assert stack.checkpoints(job_id) == []  # nothing published after a cancel
 
 
+def test_worker_shutdown_checkpoints_requeues_and_the_job_resumes(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    import signal
+
+    from service.db import jobstate
+    from worker.reconcile import reconcile_once
+
+    # No periodic checkpoint falls inside the run: the only checkpoint is the one the shutdown asks for.
+    spec = toy_spec(
+        toy_verifier_dir,
+        toy_dataset_path,
+        training={"max_steps": 500, "checkpoint_every_steps": 1000, "epochs": 50},
+    )
+    job_id = stack.submit(spec)
+    worker = stack.worker()
+    stack.wait_for("training steps", lambda: (stack.job(job_id).progress or {}).get("step", 0) >= 2)
+    worker.send_signal(signal.SIGTERM)  # what a supervisor or a node drain sends
+    assert worker.wait(timeout=120) == 0
+    stack.procs.remove(worker)
+
+    job = stack.job(job_id)
+    assert job.status == "queued"
+    (event,) = [e for e in stack.events(job_id) if "worker shutting down" in e.message]
+    saved = event.data["step"]
+    assert 2 <= saved < 500 and event.data["checkpoint_saved"] is True
+    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work" / "checkpoints"
+    assert (work / "latest").read_text().strip().endswith(f"{saved:08d}")
+
+    assert job_id in reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0).reenqueued
+    stack.worker()
+    resumed = stack.wait_for(
+        "the next attempt to resume",
+        lambda: [e for e in stack.events(job_id) if e.data and e.data.get("resume_step") is not None],
+    )
+    assert resumed[0].data["resume_step"] == saved
+    with stack.sessions() as s:
+        assert jobstate.transition(s, job_id, "cancelling", expect=("running",), event="cancel requested")
+    assert stack.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=120).status == "cancelled"
+    assert stack.job(job_id).attempt == 2
+
+
 def test_sigkilled_worker_resumes_from_its_last_checkpoint(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
 ) -> None:
