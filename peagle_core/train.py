@@ -52,7 +52,8 @@ class TrainResult:
 
 def prepare_data(spec: JobSpec, out_dir: Path, dataset_dir: str | Path | None, info: dist_utils.DistInfo):
     """The prepared dataset: `dataset_dir` if given, else out_dir/data (reused when its fingerprint matches)."""
-    from peagle_core.data import PreparedDataset, prepare_dataset
+    from peagle_core.data import PreparedDataset
+    from peagle_core.data.prepare import prepare_for_spec
 
     if dataset_dir is not None:
         return PreparedDataset.open(dataset_dir)
@@ -62,17 +63,7 @@ def prepare_data(spec: JobSpec, out_dir: Path, dataset_dir: str | Path | None, i
         )
     target = out_dir / "data"
     if info.is_main:
-        prepare_dataset(
-            spec.verifier.name_or_path,
-            spec.dataset.path,
-            target,
-            seq_len=spec.dataset.seq_len,
-            fmt=spec.dataset.format,
-            max_samples=spec.dataset.max_samples,
-            draft_vocab_size=spec.model.draft_vocab_size,
-            revision=spec.verifier.revision,
-            trust_remote_code=spec.verifier.trust_remote_code,
-        )
+        prepare_for_spec(spec, spec.dataset.path, target)
     dist_utils.barrier(info)
     return PreparedDataset.open(target)
 

@@ -334,7 +334,7 @@ class JobRunner:
         self, spec: JobSpec, data_path: Path, source_sha: str, out_dir: Path
     ) -> tuple[Path, bool]:
         """Prepared data shared by every job with the same source, tokenizer and options."""
-        from peagle_core.data import prepare_dataset
+        from peagle_core.data.prepare import prepare_for_spec
 
         key_src = {
             "source_sha256": source_sha,
@@ -346,22 +346,12 @@ class JobRunner:
             "draft_vocab_size": spec.model.draft_vocab_size,
         }
         key = "prepared/" + hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:32]
-        args = dict(
-            verifier_path=spec.verifier.name_or_path,
-            data_path=data_path,
-            seq_len=spec.dataset.seq_len,
-            fmt=spec.dataset.format,
-            max_samples=spec.dataset.max_samples,
-            draft_vocab_size=spec.model.draft_vocab_size,
-            revision=spec.verifier.revision,
-            trust_remote_code=spec.verifier.trust_remote_code,
-        )
         local = self.store.local_path(key)
         if local is not None:
             if (local / "manifest.json").is_file():
                 return local, True
             with atomic_dir(local) as tmp:
-                prepare_dataset(out_dir=tmp, **args)
+                prepare_for_spec(spec, data_path, tmp)
             return local, False
         scratch = out_dir / "prepared"
         if self.store.exists(f"{key}/manifest.json"):
@@ -369,7 +359,7 @@ class JobRunner:
                 self.store.fetch_dir(key, scratch)
             return scratch, True
         with atomic_dir(scratch) as tmp:
-            prepare_dataset(out_dir=tmp, **args)
+            prepare_for_spec(spec, data_path, tmp)
         self.store.publish_dir(scratch, key)
         return scratch, False
 

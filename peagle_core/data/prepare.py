@@ -21,6 +21,7 @@ from peagle_core.data.formats import read_rows
 from peagle_core.data.vocab import build_draft_vocab, token_counts
 from peagle_core.errors import DataError, VerifierError
 from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
+from peagle_core.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,21 @@ def prepare_dataset(
         save_file({"d2t": d2t, "t2d": t2d}, str(tmp / VOCAB))
         atomic_write_json(tmp / MANIFEST, manifest)
     return PreparedDataset.open(out_dir)
+
+
+def prepare_for_spec(spec: JobSpec, data_path: str | Path, out_dir: str | Path) -> PreparedDataset:
+    """`prepare_dataset` with the verifier, sequence length, format and vocabulary of a job spec."""
+    return prepare_dataset(
+        spec.verifier.name_or_path,
+        data_path,
+        out_dir,
+        seq_len=spec.dataset.seq_len,
+        fmt=spec.dataset.format,
+        max_samples=spec.dataset.max_samples,
+        draft_vocab_size=spec.model.draft_vocab_size,
+        revision=spec.verifier.revision,
+        trust_remote_code=spec.verifier.trust_remote_code,
+    )
 
 
 class PreparedDataset:
