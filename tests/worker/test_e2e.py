@@ -100,19 +100,32 @@ def test_jobs_survive_a_redis_flush(stack: Stack, toy_verifier_dir: Path, toy_da
         assert statuses.count("running") == 1
 
 
+def start_long_job(stack: Stack, verifier_dir: Path, data_path: Path) -> tuple[str, subprocess.Popen[bytes]]:
+    """Submit a job far longer than the test and return (job id, worker) once it has trained 2 steps.
+
+    No periodic checkpoint falls inside the run, so any checkpoint found later is one a stop asked for.
+    """
+    spec = toy_spec(
+        verifier_dir, data_path, training={"max_steps": 500, "checkpoint_every_steps": 1000, "epochs": 50}
+    )
+    job_id = stack.submit(spec)
+    worker = stack.worker()
+    stack.wait_for("training steps", lambda: (stack.job(job_id).progress or {}).get("step", 0) >= 2)
+    return job_id, worker
+
+
+def stop_checkpoint(stack: Stack, job_id: str) -> str:
+    """The `latest` pointer of the job's training checkpoints."""
+    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work" / "checkpoints"
+    return (work / "latest").read_text().strip()
+
+
 def test_cancel_during_training_saves_a_checkpoint(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
 ) -> None:
     from service.db import jobstate
 
-    spec = toy_spec(
-        toy_verifier_dir,
-        toy_dataset_path,
-        training={"max_steps": 500, "checkpoint_every_steps": 1000, "epochs": 50},
-    )
-    job_id = stack.submit(spec)
-    stack.worker()
-    stack.wait_for("training steps", lambda: (stack.job(job_id).progress or {}).get("step", 0) >= 2)
+    job_id, _ = start_long_job(stack, toy_verifier_dir, toy_dataset_path)
     with stack.sessions() as s:
         assert jobstate.transition(s, job_id, "cancelling", expect=("running",), event="cancel requested")
     job = stack.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=120)
@@ -122,8 +135,7 @@ def test_cancel_during_training_saves_a_checkpoint(
     assert event.data["checkpoint_saved"] is True
     assert f"checkpoint saved at step {step}" in event.message
     assert step < 500
-    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work" / "checkpoints"
-    assert (work / "latest").read_text().strip().endswith(f"{step:08d}")
+    assert stop_checkpoint(stack, job_id).endswith(f"{step:08d}")
     assert stack.checkpoints(job_id) == []  # nothing published after a cancel
 
 
@@ -135,15 +147,7 @@ def test_worker_shutdown_checkpoints_requeues_and_the_job_resumes(
     from service.db import jobstate
     from worker.reconcile import reconcile_once
 
-    # No periodic checkpoint falls inside the run: the only checkpoint is the one the shutdown asks for.
-    spec = toy_spec(
-        toy_verifier_dir,
-        toy_dataset_path,
-        training={"max_steps": 500, "checkpoint_every_steps": 1000, "epochs": 50},
-    )
-    job_id = stack.submit(spec)
-    worker = stack.worker()
-    stack.wait_for("training steps", lambda: (stack.job(job_id).progress or {}).get("step", 0) >= 2)
+    job_id, worker = start_long_job(stack, toy_verifier_dir, toy_dataset_path)
     worker.send_signal(signal.SIGTERM)  # what a supervisor or a node drain sends
     assert worker.wait(timeout=120) == 0
     stack.procs.remove(worker)
@@ -153,8 +157,7 @@ def test_worker_shutdown_checkpoints_requeues_and_the_job_resumes(
     (event,) = [e for e in stack.events(job_id) if "worker shutting down" in e.message]
     saved = event.data["step"]
     assert 2 <= saved < 500 and event.data["checkpoint_saved"] is True
-    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work" / "checkpoints"
-    assert (work / "latest").read_text().strip().endswith(f"{saved:08d}")
+    assert stop_checkpoint(stack, job_id).endswith(f"{saved:08d}")
 
     assert job_id in reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0).reenqueued
     stack.worker()
