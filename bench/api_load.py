@@ -35,12 +35,12 @@ def _free_port() -> int:
 
 
 def _setup_db(admin_url: str, n_jobs: int, spec: dict[str, Any]) -> tuple[str, str, str, list[str]]:
-    from sqlalchemy import create_engine, insert, text
+    from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
+    from service.crud.jobs import create_job
     from service.crud.projects import create_key
     from service.db.migrate import upgrade
-    from service.db.models import Job, new_id, utcnow
     from service.db.session import session_scope
 
     name = f"peagle_bench_{uuid.uuid4().hex[:10]}"
@@ -53,27 +53,12 @@ def _setup_db(admin_url: str, n_jobs: int, spec: dict[str, Any]) -> tuple[str, s
     with session_scope(url) as s:
         key, row = create_key(s, "bench")
         project_id = row.project_id
-    ids = [new_id("job") for _ in range(n_jobs)]
-    with session_scope(url) as s:
-        now = utcnow()
-        rows = [
-            dict(
-                id=i,
-                project_id=project_id,
-                status="queued",
-                spec=spec,
-                attempt=0,
-                max_attempts=3,
-                queue="bench",
-                created_at=now,
-                queued_at=now,
-                updated_at=now,
-                name=None,
-            )
-            for i in ids
-        ]
-        for start in range(0, len(rows), 2000):
-            s.execute(insert(Job), rows[start : start + 2000])
+    # The API's own write path (job row + its `queued` event), committed in batches.
+    ids: list[str] = []
+    for start in range(0, n_jobs, 2000):
+        with session_scope(url) as s:
+            for _ in range(min(2000, n_jobs - start)):
+                ids.append(create_job(s, project_id, spec, max_attempts=3).id)
     return name, url, key, ids
 
 

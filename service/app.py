@@ -11,6 +11,8 @@ from fastapi import FastAPI
 
 from service.api import errors
 from service.api.routes import checkpoints, datasets, health, jobs
+from service.artifacts import ArtifactStore
+from service.crud.jobs import count_by_status
 from service.db.session import session_factory
 from service.metrics import Metrics, MetricsMiddleware
 from service.queue import redis_from_url
@@ -18,8 +20,6 @@ from service.settings import Settings, get_settings
 
 
 def _job_counts(sessions: Any) -> dict[str, int]:
-    from service.crud.jobs import count_by_status
-
     with sessions() as db:
         return count_by_status(db)
 
@@ -51,9 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # The store is built on first use: constructing it may create the local root directory.
     @functools.cache
-    def store() -> Any:
-        from worker.artifacts import ArtifactStore
-
+    def store() -> ArtifactStore:
         return ArtifactStore(settings.artifact_root)
 
     app.state.store = store

@@ -1,17 +1,21 @@
-"""Request dependencies: settings, a DB session, Redis, the artifact store, and bearer-key auth."""
+"""Request dependencies, the routes' only way to the app's resources: settings, DB sessions, Redis, the
+artifact store, metrics, and bearer-key auth."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
+from redis import Redis
+from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.errors import ApiError
+from service.artifacts import ArtifactStore
 from service.crud.projects import project_for_key
 from service.db.models import Project
+from service.metrics import Metrics
 from service.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer peagle_sk_...`")
@@ -21,24 +25,37 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_db(request: Request) -> Iterator[Session]:
-    session: Session = request.app.state.sessions()
+def get_sessions(request: Request) -> sessionmaker[Session]:
+    """The session factory, for work that outlives the request (an SSE stream opens its own sessions)."""
+    return request.app.state.sessions
+
+
+def get_db(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> Iterator[Session]:
+    session = sessions()
     try:
         yield session
     finally:
         session.close()
 
 
-def get_redis(request: Request) -> Any:
+def get_redis(request: Request) -> Redis:
     return request.app.state.redis
 
 
-def get_store(request: Request) -> Any:
+def get_store(request: Request) -> ArtifactStore:
     return request.app.state.store()
 
 
-DB = Annotated[Session, Depends(get_db)]
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
 AppSettings = Annotated[Settings, Depends(get_settings)]
+Sessions = Annotated[sessionmaker[Session], Depends(get_sessions)]
+DB = Annotated[Session, Depends(get_db)]
+RedisConn = Annotated[Redis, Depends(get_redis)]
+Store = Annotated[ArtifactStore, Depends(get_store)]
+AppMetrics = Annotated[Metrics, Depends(get_metrics)]
 
 
 def current_project(

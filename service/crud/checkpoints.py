@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.artifacts import FileEntry, manifest_sha256
 from service.db.models import Checkpoint, utcnow
 
 
@@ -17,19 +18,19 @@ def add_checkpoint(
     project_id: str,
     step: int,
     uri: str,
-    files: list[dict[str, Any]],
-    sha256: str,
+    files: list[FileEntry],
     metrics: dict[str, Any] | None = None,
     checkpoint_id: str | None = None,
 ) -> Checkpoint:
-    """Add a checkpoint row (the caller commits, only after the artifact is published and verified)."""
+    """Add the row of a directory `ArtifactStore.publish_dir` has published under `uri` (the caller
+    commits). Its sha256 and size are derived from `files`, the list `publish_dir` returned."""
     row = Checkpoint(
         job_id=job_id,
         project_id=project_id,
         step=step,
         uri=uri,
-        files=files,
-        sha256=sha256,
+        files=list(files),
+        sha256=manifest_sha256(files),
         size=sum(int(f["size"]) for f in files),
         metrics=metrics,
         created_at=utcnow(),

@@ -6,7 +6,35 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.crud.pagination import newest_first_page
-from service.db.models import Dataset
+from service.db.models import Dataset, utcnow
+
+
+def add_dataset(
+    session: Session,
+    *,
+    dataset_id: str,
+    project_id: str,
+    filename: str,
+    uri: str,
+    sha256: str,
+    size: int,
+    num_records: int,
+    format: str,
+) -> Dataset:
+    """Add the row of a JSONL already stored under `uri` (the caller commits)."""
+    row = Dataset(
+        id=dataset_id,
+        project_id=project_id,
+        filename=filename,
+        uri=uri,
+        sha256=sha256,
+        size=size,
+        num_records=num_records,
+        format=format,
+        created_at=utcnow(),
+    )
+    session.add(row)
+    return row
 
 
 def get_dataset(session: Session, project_id: str, dataset_id: str) -> Dataset | None:

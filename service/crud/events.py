@@ -1,4 +1,4 @@
-"""Job events: append (worker, service) and read in id order (REST pages and the SSE follow mode)."""
+"""Job events: append (API, worker, reconciler, status machine) and read in id order (REST pages, SSE)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,21 @@
-"""Job rows: create (with its first status event), fetch within a project, list newest first."""
+"""Job rows: create (with its first status event), the worker's progress and heartbeat columns, and reads.
+
+Status changes are not here: they go through `service.crud.jobstate.transition`, the status machine.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Row, func, select, update
 from sqlalchemy.orm import Session
 
+from service.crud.events import add_event
 from service.crud.pagination import newest_first_page
-from service.db.models import Job, JobEvent, utcnow
+from service.db.models import Job, utcnow
+
+ACTIVE_STATUSES = ("running", "cancelling")  # a worker holds the job
+UNFINISHED_STATUSES = ("queued", *ACTIVE_STATUSES)
 
 
 def create_job(session: Session, project_id: str, spec: dict[str, Any], *, max_attempts: int) -> Job:
@@ -28,17 +35,56 @@ def create_job(session: Session, project_id: str, spec: dict[str, Any], *, max_a
     )
     session.add(job)
     session.flush()
-    session.add(
-        JobEvent(
-            job_id=job.id, created_at=now, type="status", message="job queued", data={"status": "queued"}
-        )
-    )
+    add_event(session, job.id, "status", "job queued", data={"status": "queued"})
     return job
+
+
+def record_enqueued(job: Job) -> None:
+    """Note on the row that RQ holds the job (its RQ id is the job id); the caller commits."""
+    job.rq_job_id = job.id
+
+
+def set_progress(session: Session, job_id: str, progress: dict[str, Any]) -> None:
+    """Replace the job's progress (stage, step, total_steps, eta_s); the caller commits."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(progress=progress, updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+def heartbeat(session: Session, job_id: str, worker_name: str) -> bool:
+    """Stamp `heartbeat_at` if `worker_name` still holds the job (the caller commits); False when the
+    job is no longer its own."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker_name == worker_name, Job.status.in_(ACTIVE_STATUSES))
+        .values(heartbeat_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
 
 
 def get_job(session: Session, project_id: str, job_id: str) -> Job | None:
     """The job if it exists in this project (another project's job is indistinguishable from none)."""
     return session.scalar(select(Job).where(Job.id == job_id, Job.project_id == project_id))
+
+
+def find_job(session: Session, job_id: str) -> Job | None:
+    """The job in any project (for the worker and the reconciler, which act on ids from the queue)."""
+    return session.get(Job, job_id)
+
+
+def holder(session: Session, job_id: str) -> Row[tuple[str, str | None]] | None:
+    """(status, worker_name) of the job, read fresh: how a worker checks the job is still its own."""
+    return session.execute(select(Job.status, Job.worker_name).where(Job.id == job_id)).one_or_none()
+
+
+def unfinished_jobs(session: Session) -> list[Job]:
+    """Every queued, running or cancelling job, oldest first (the reconciler's worklist)."""
+    query = select(Job).where(Job.status.in_(UNFINISHED_STATUSES)).order_by(Job.created_at)
+    return list(session.scalars(query))
 
 
 def list_jobs(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -10,9 +11,12 @@ from sqlalchemy.orm import Session
 from service.db.models import JobMetric, utcnow
 
 
-def add_metrics(session: Session, job_id: str, step: int, values: dict[str, Any]) -> JobMetric:
-    """Add one metrics row to the session (the caller commits)."""
-    row = JobMetric(job_id=job_id, step=step, values=values, created_at=utcnow())
+def add_metrics(
+    session: Session, job_id: str, step: int, values: dict[str, Any], *, created_at: datetime | None = None
+) -> JobMetric:
+    """Add one metrics row to the session (the caller commits). `created_at` defaults to now; the
+    worker passes the time the trainer reported the step, which precedes the batched write."""
+    row = JobMetric(job_id=job_id, step=step, values=values, created_at=created_at or utcnow())
     session.add(row)
     return row
 

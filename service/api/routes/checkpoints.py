@@ -13,8 +13,9 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
 
 from service.api import schemas
-from service.api.deps import DB, CurrentProject
+from service.api.deps import DB, CurrentProject, Store
 from service.api.errors import ApiError, not_found
+from service.artifacts import ArtifactStore
 from service.crud.checkpoints import get_checkpoint
 from service.db.models import Checkpoint
 
@@ -57,7 +58,7 @@ def _tar_plan(ckpt: Checkpoint) -> tuple[list[tuple[bytes, dict[str, Any]]], int
 
 
 def _tar_stream(
-    store: Any, key: str, plan: list[tuple[bytes, dict[str, Any]]], total: int
+    store: ArtifactStore, key: str, plan: list[tuple[bytes, dict[str, Any]]], total: int
 ) -> Iterator[bytes]:
     # Built on the fly: headers are computed up front, file bodies streamed from the store in chunks.
     sent = 0
@@ -87,11 +88,11 @@ def _tar_stream(
     response_class=StreamingResponse,
     summary="Download the checkpoint directory as a tar stream",
 )
-def archive(checkpoint_id: str, request: Request, db: DB, project: CurrentProject) -> StreamingResponse:
+def archive(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -> StreamingResponse:
     ckpt = _checkpoint_or_404(db, project.id, checkpoint_id)
     plan, total = _tar_plan(ckpt)
     return StreamingResponse(
-        _tar_stream(request.app.state.store(), ckpt.uri, plan, total),
+        _tar_stream(store, ckpt.uri, plan, total),
         media_type="application/x-tar",
         headers={
             "Content-Length": str(total),
@@ -146,6 +147,7 @@ def file(
     name: str,
     request: Request,
     db: DB,
+    store: Store,
     project: CurrentProject,
     range: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> StreamingResponse:
@@ -166,7 +168,6 @@ def file(
     if span is not None and request.headers.get("if-range") not in (None, headers["ETag"]):
         span = None  # the client's copy is stale: send the whole file
     media = mimetypes.guess_type(name)[0] or "application/octet-stream"
-    store = request.app.state.store()
     key = f"{ckpt.uri}/{name}"
     if span is None:
         headers["Content-Length"] = str(size)

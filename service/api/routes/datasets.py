@@ -13,11 +13,12 @@ from fastapi.concurrency import run_in_threadpool
 
 from peagle_core.errors import DataError
 from service.api import schemas
-from service.api.deps import DB, AppSettings, CurrentProject
+from service.api.deps import DB, AppSettings, CurrentProject, Store
 from service.api.errors import ApiError, not_found
-from service.api.upload import spool_multipart_file
+from service.api.upload import SpooledFile, spool_multipart_file
+from service.artifacts import ArtifactStore
 from service.crud import datasets as crud
-from service.db.models import Dataset, new_id, utcnow
+from service.db.models import Dataset, new_id
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -65,6 +66,7 @@ def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
 async def upload_dataset(
     request: Request,
     db: DB,
+    store: Store,
     settings: AppSettings,
     project: CurrentProject,
     format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
@@ -75,14 +77,16 @@ async def upload_dataset(
         request, "file", spool_dir / f"upload-{uuid.uuid4().hex}", settings.max_upload_bytes
     )
     try:
-        row = await run_in_threadpool(_store_and_record, request, db, project.id, spooled, format)
+        row = await run_in_threadpool(_store_and_record, store, db, project.id, spooled, format)
     finally:
         with contextlib.suppress(OSError):
             spooled.path.unlink()
     return schemas.Dataset.model_validate(row)
 
 
-def _store_and_record(request: Request, db: DB, project_id: str, spooled, fmt: str) -> Dataset:
+def _store_and_record(
+    store: ArtifactStore, db: DB, project_id: str, spooled: SpooledFile, fmt: str
+) -> Dataset:
     from peagle_core.data import validate_jsonl
 
     try:
@@ -91,13 +95,13 @@ def _store_and_record(request: Request, db: DB, project_id: str, spooled, fmt: s
         raise ApiError(422, exc.message, code=exc.code, param="file") from None
     dataset_id = new_id("ds")
     key = f"datasets/{dataset_id}/data.jsonl"
-    store = request.app.state.store()
     sha, size = store.write_stream(key, _chunks(spooled.path))
     if sha != spooled.sha256 or size != spooled.size:
         store.delete(key)
         raise ApiError(500, "stored dataset failed its checksum", code="checksum_mismatch")
-    row = Dataset(
-        id=dataset_id,
+    row = crud.add_dataset(
+        db,
+        dataset_id=dataset_id,
         project_id=project_id,
         filename=spooled.filename or "data.jsonl",
         uri=key,
@@ -105,9 +109,7 @@ def _store_and_record(request: Request, db: DB, project_id: str, spooled, fmt: s
         size=size,
         num_records=report.rows,
         format=str(report.format),
-        created_at=utcnow(),
     )
-    db.add(row)
     try:
         db.commit()
     except BaseException:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from service.api import schemas
+from service.api.deps import AppMetrics, RedisConn, Sessions
 from service.api.errors import error_response
 
 router = APIRouter(tags=["health"])
@@ -19,14 +20,14 @@ def healthz() -> schemas.Health:
     return schemas.Health()
 
 
-def _check(request: Request) -> tuple[str, str] | None:
+def _check(sessions: Sessions, redis: RedisConn) -> tuple[str, str] | None:
     try:
-        with request.app.state.sessions() as db:
+        with sessions() as db:
             db.execute(text("SELECT 1"))
     except Exception as exc:
         return "database_unavailable", f"the database is unreachable ({exc.__class__.__name__})"
     try:
-        request.app.state.redis.ping()
+        redis.ping()
     except Exception as exc:
         return "queue_unavailable", f"redis is unreachable ({exc.__class__.__name__})"
     return None
@@ -38,8 +39,8 @@ def _check(request: Request) -> tuple[str, str] | None:
     responses={503: {"model": schemas.ErrorEnvelope}},
     summary="Readiness: the database and Redis answer",
 )
-async def readyz(request: Request) -> schemas.Readiness | JSONResponse:
-    problem = await run_in_threadpool(_check, request)
+async def readyz(sessions: Sessions, redis: RedisConn) -> schemas.Readiness | JSONResponse:
+    problem = await run_in_threadpool(_check, sessions, redis)
     if problem is not None:
         return error_response(503, problem[1], code=problem[0])
     return schemas.Readiness()
@@ -51,6 +52,6 @@ async def readyz(request: Request) -> schemas.Readiness | JSONResponse:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     summary="Prometheus metrics",
 )
-async def metrics(request: Request) -> Response:
-    body = await run_in_threadpool(generate_latest, request.app.state.metrics.registry)
+async def metrics(app_metrics: AppMetrics) -> Response:
+    body = await run_in_threadpool(generate_latest, app_metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -15,14 +15,14 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 
 from service.api import schemas
-from service.api.deps import DB, AppSettings, CurrentProject
+from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions
 from service.api.errors import ApiError, not_found
+from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
 from service.crud import events as events_crud
-from service.crud import idempotency
+from service.crud import idempotency, jobstate
 from service.crud import jobs as jobs_crud
 from service.crud import metrics as metrics_crud
-from service.db import jobstate
 from service.db.models import Job
 from service.paths import check_spec_paths
 from service.queue import enqueue_run
@@ -58,9 +58,9 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
 )
 def create_job(
     body: schemas.CreateJobRequest,
-    request: Request,
     response: Response,
     db: DB,
+    redis: RedisConn,
     settings: AppSettings,
     project: CurrentProject,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
@@ -90,7 +90,7 @@ def create_job(
         if replay is None:
             raise
         return replay
-    _enqueue(db, request, settings, job)
+    _enqueue(db, redis, settings, job)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return schemas.Job.model_validate(job)
 
@@ -112,10 +112,10 @@ def _replay(db: DB, project_id: str, key: str, body_hash: str, response: Respons
     return schemas.Job.model_validate(job)
 
 
-def _enqueue(db: DB, request: Request, settings: AppSettings, job: Job) -> None:
+def _enqueue(db: DB, redis: RedisConn, settings: AppSettings, job: Job) -> None:
     # The row is committed first: if Redis is down the job stays queued and the reconciler enqueues it.
     try:
-        enqueue_run(request.app.state.redis, job.id, job.queue, settings.job_timeout_s)
+        enqueue_run(redis, job.id, job.queue, settings.job_timeout_s)
     except RedisError as exc:
         log.warning(
             "enqueue of %s failed (%s); left queued for the reconciler", job.id, exc.__class__.__name__
@@ -129,7 +129,7 @@ def _enqueue(db: DB, request: Request, settings: AppSettings, job: Job) -> None:
         )
         db.commit()
         return
-    job.rq_job_id = job.id
+    jobs_crud.record_enqueued(job)
     db.commit()
 
 
@@ -167,7 +167,7 @@ def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
     description="A queued job is cancelled at once. A running job becomes `cancelling`: the worker saves "
     "a checkpoint and stops (hard stop after the grace period). A finished job answers 409.",
 )
-def cancel_job(job_id: str, request: Request, db: DB, project: CurrentProject) -> schemas.Job:
+def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -> schemas.Job:
     job = _job_or_404(db, project.id, job_id)
     # A lost race (the worker claimed or finished it meanwhile) re-reads the status and tries again.
     for _ in range(5):
@@ -175,7 +175,7 @@ def cancel_job(job_id: str, request: Request, db: DB, project: CurrentProject) -
             if jobstate.transition(
                 db, job.id, "cancelled", expect=["queued"], event="cancelled before it started"
             ):
-                _drop_from_queue(request, job.id)
+                _drop_from_queue(redis, job.id)
                 break
         elif job.status == "running":
             if jobstate.transition(db, job.id, "cancelling", expect=["running"], event="cancel requested"):
@@ -189,13 +189,13 @@ def cancel_job(job_id: str, request: Request, db: DB, project: CurrentProject) -
     return schemas.Job.model_validate(job)
 
 
-def _drop_from_queue(request: Request, job_id: str) -> None:
+def _drop_from_queue(redis: RedisConn, job_id: str) -> None:
     # Best effort: a worker that still dequeues it finds the row cancelled and skips it.
     from rq.exceptions import NoSuchJobError
     from rq.job import Job as RQJob
 
     with contextlib.suppress(NoSuchJobError, RedisError, ValueError):
-        RQJob.fetch(job_id, connection=request.app.state.redis).cancel()
+        RQJob.fetch(job_id, connection=redis).cancel()
 
 
 @router.get(
@@ -214,6 +214,7 @@ def job_events(
     job_id: str,
     request: Request,
     db: DB,
+    sessions: Sessions,
     settings: AppSettings,
     project: CurrentProject,
     after: Annotated[int | None, Query(ge=0, description="Only events with a larger id.")] = None,
@@ -226,7 +227,7 @@ def job_events(
         if last_event_id and last_event_id.strip().isdigit():
             start = int(last_event_id.strip())
         return StreamingResponse(
-            _follow(request, job_id, start, settings.events_poll_s),
+            _follow(request, sessions, job_id, start, settings.events_poll_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -238,16 +239,17 @@ def job_events(
     )
 
 
-async def _follow(request: Request, job_id: str, after: int | None, poll_s: float) -> AsyncIterator[bytes]:
+async def _follow(
+    request: Request, sessions: Sessions, job_id: str, after: int | None, poll_s: float
+) -> AsyncIterator[bytes]:
     """Poll the DB for new events and emit them as SSE until the job is terminal and drained."""
-    sessions = request.app.state.sessions
 
     def poll(cursor: int | None) -> tuple[list[schemas.Event], str | None]:
         # Status first, events second: the two reads need not share a snapshot (SQLite autocommits
         # each SELECT), and a terminal status read first guarantees the events read after include the
         # terminal transition's event.
         with sessions() as db:
-            job = db.get(Job, job_id)
+            job = jobs_crud.find_job(db, job_id)
             status = job.status if job else None
             rows, _ = events_crud.events_after(db, job_id, cursor, 500)
             return [schemas.Event.model_validate(e) for e in rows], status
@@ -303,9 +305,6 @@ def job_metrics(
     summary="Published checkpoints",
 )
 def job_checkpoints(job_id: str, db: DB, project: CurrentProject) -> schemas.CheckpointList:
-    from service.crud.checkpoints import list_for_job
-
     _job_or_404(db, project.id, job_id)
-    return schemas.CheckpointList(
-        data=[schemas.Checkpoint.model_validate(c) for c in list_for_job(db, job_id)]
-    )
+    rows = checkpoints_crud.list_for_job(db, job_id)
+    return schemas.CheckpointList(data=[schemas.Checkpoint.model_validate(c) for c in rows])

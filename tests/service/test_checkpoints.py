@@ -10,7 +10,7 @@ import pytest
 
 from service.crud.checkpoints import add_checkpoint
 from service.db.session import session_factory
-from tests.api.conftest import create_job
+from tests.service.conftest import create_job
 
 FILES = {
     "config.json": b'{"a": 1}\n',
@@ -21,7 +21,7 @@ FILES = {
 
 @pytest.fixture
 def checkpoint(client, auth, spec, settings, db_url, tmp_path) -> dict:
-    from worker.artifacts import ArtifactStore, manifest_sha256
+    from service.artifacts import ArtifactStore
 
     job = create_job(client, auth, spec)
     src = tmp_path / "export"
@@ -38,7 +38,6 @@ def checkpoint(client, auth, spec, settings, db_url, tmp_path) -> dict:
             step=2,
             uri=f"checkpoints/ckpt_{job['id'][4:]}",
             files=files,
-            sha256=manifest_sha256(files),
             metrics={"acceptance_length": 2.1},
             checkpoint_id=f"ckpt_{job['id'][4:]}",
         )

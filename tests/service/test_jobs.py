@@ -9,12 +9,12 @@ from typing import Any
 from rq import Queue
 from sqlalchemy import select
 
+from service.crud import jobstate
 from service.crud.events import add_event
 from service.crud.metrics import add_metrics
-from service.db import jobstate
 from service.db.models import Job
 from service.db.session import session_factory
-from tests.api.conftest import create_job
+from tests.service.conftest import create_job
 
 
 def test_create_returns_resolved_spec_and_enqueues(client, auth, spec, settings, redis_conn) -> None:

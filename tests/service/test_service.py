@@ -8,7 +8,7 @@ import sys
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from tests.api.conftest import create_job
+from tests.service.conftest import create_job
 
 
 def _is_envelope(body: dict) -> bool:
@@ -73,15 +73,18 @@ def test_app_import_does_not_import_torch() -> None:
 
 
 def test_keys_cli_creates_a_working_key(client, settings, monkeypatch) -> None:
+    import typer
     from typer.testing import CliRunner
 
-    from service.cli import build_app
+    import service.cli
     from service.settings import get_settings
 
     monkeypatch.setenv("PEAGLE_DATABASE_URL", settings.database_url)
     get_settings.cache_clear()
     try:
-        result = CliRunner().invoke(build_app(), ["keys", "create", "--project", "cli-project"])
+        app = typer.Typer()
+        service.cli.register(app)
+        result = CliRunner().invoke(app, ["keys", "create", "--project", "cli-project"])
     finally:
         get_settings.cache_clear()
     assert result.exit_code == 0, result.output

@@ -7,9 +7,9 @@ import threading
 import pytest
 from sqlalchemy import select
 
+from service.crud import jobstate
 from service.crud.jobs import create_job
 from service.crud.projects import get_or_create_project
-from service.db import jobstate
 from service.db.models import Job, JobEvent
 from service.db.session import session_factory
 

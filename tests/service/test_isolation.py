@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.conftest import create_job
+from tests.service.conftest import create_job
 
 GOOD = b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
 
@@ -23,10 +23,10 @@ ROUTES = [
 
 @pytest.fixture
 def owned(client, auth, spec, db_url, tmp_path, settings) -> dict[str, str]:
+    from service.artifacts import ArtifactStore
     from service.crud.checkpoints import add_checkpoint
     from service.db.models import Job
     from service.db.session import session_factory
-    from worker.artifacts import ArtifactStore, manifest_sha256
 
     job = create_job(client, auth, spec)["id"]
     ds = client.post("/v1/datasets", files={"file": ("d.jsonl", GOOD)}, headers=auth).json()["id"]
@@ -42,7 +42,6 @@ def owned(client, auth, spec, db_url, tmp_path, settings) -> dict[str, str]:
             step=1,
             uri="checkpoints/ckpt_iso",
             files=files,
-            sha256=manifest_sha256(files),
         )
         s.commit()
         return {"job": job, "ds": ds, "ckpt": row.id}

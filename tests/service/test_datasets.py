@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tests.api.conftest import create_job
+from tests.service.conftest import create_job
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}

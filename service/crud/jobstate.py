@@ -14,7 +14,8 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
-from service.db.models import JOB_STATUSES, TERMINAL_STATUSES, Job, JobEvent, utcnow
+from service.crud.events import add_event
+from service.db.models import JOB_STATUSES, TERMINAL_STATUSES, Job, utcnow
 
 # from-status -> statuses it may move to.
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -99,18 +100,33 @@ def transition(
     loaded = session.identity_map.get(identity_key(Job, job_id))
     if loaded is not None:
         session.expire(loaded)
-    session.add(
-        JobEvent(
-            job_id=job_id,
-            created_at=now,
-            level=level,
-            type="status",
-            message=event or f"job {to}",
-            data={"status": to, **(event_data or {})},
-        )
+    add_event(
+        session,
+        job_id,
+        "status",
+        event or f"job {to}",
+        level=level,
+        data={"status": to, **(event_data or {})},
     )
     if commit:
         session.commit()
     else:
         session.flush()
     return True
+
+
+def claim(session: Session, job_id: str, worker_name: str) -> bool:
+    """`queued -> running` for `worker_name`: the one place `attempt` grows (it counts claims, so a
+    reconciler handing a job back never spends an attempt). False: the job was not queued."""
+    return transition(
+        session,
+        job_id,
+        "running",
+        expect=("queued",),
+        event=f"running on {worker_name}",
+        event_data={"worker": worker_name},
+        attempt=Job.attempt + 1,
+        worker_name=worker_name,
+        heartbeat_at=utcnow(),
+        error=None,
+    )
