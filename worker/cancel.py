@@ -11,10 +11,9 @@ import logging
 import signal
 import threading
 
-from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import Job, utcnow
+from service.crud.jobs import ACTIVE_STATUSES, heartbeat, holder
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +68,15 @@ class JobMonitor:
     def check_now(self) -> None:
         """Read the job row once (also used before publishing, so a late cancel is never missed)."""
         with self.sessions() as session:
-            row = session.execute(
-                select(Job.status, Job.worker_name).where(Job.id == self.job_id)
-            ).one_or_none()
-        if row is None or row.worker_name != self.worker_name or row.status not in ("running", "cancelling"):
+            row = holder(session, self.job_id)
+        if row is None or row.worker_name != self.worker_name or row.status not in ACTIVE_STATUSES:
             self.lost.set()
         elif row.status == "cancelling":
             self.cancel_requested.set()
 
     def beat(self) -> None:
         with self.sessions() as session:
-            session.execute(
-                update(Job)
-                .where(
-                    Job.id == self.job_id,
-                    Job.worker_name == self.worker_name,
-                    Job.status.in_(("running", "cancelling")),
-                )
-                .values(heartbeat_at=utcnow())
-                .execution_options(synchronize_session=False)
-            )
+            heartbeat(session, self.job_id, self.worker_name)
             session.commit()
 
     def _run(self) -> None:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from service.settings import Settings, get_settings
+from worker.job_io import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     rq_cmd.add_argument("--burst", action="store_true")
     sub.add_parser("reconcile")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     settings = get_settings()
     if args.cmd == "rq":
         run_worker(settings, args.queues, burst=args.burst, name=args.name)

@@ -12,19 +12,19 @@ development; it is never what a real job wants).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
 from peagle_core.spec import JobSpec
 from service.settings import Settings
-from worker.runner import STAGES, Outcome
+from worker.job_io import Outcome, error_for, event_recorder, setup_logging, write_event
 
 log = logging.getLogger(__name__)
 
@@ -105,42 +105,30 @@ def _rank_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attempt", type=int, required=True)
     args = parser.parse_args(argv)
 
-    from sqlalchemy import select
-
     from peagle_core.train import train
-    from service.db.models import Job
+    from service.crud.jobs import find_job
     from service.db.session import session_factory
     from service.settings import get_settings
     from worker.cancel import JobMonitor
     from worker.progress import ProgressWriter
-    from worker.runner import add_event, error_for, trainer_event
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     sessions = session_factory(get_settings().database_url)
 
-    def write_event(type_: str, message: str, data: dict[str, Any]) -> None:
-        with sessions() as session:
-            add_event(session, args.job_id, type_, message, data)
-            session.commit()
-
     with sessions() as session:
-        spec = JobSpec.model_validate(
-            session.execute(select(Job.spec).where(Job.id == args.job_id)).scalar_one()
-        )
+        spec = JobSpec.model_validate(find_job(session, args.job_id).spec)
     write_event(
+        sessions,
+        args.job_id,
         "log",
         f"rank {rank} of {world_size} started",
         {"kind": "rank", "rank": rank, "world_size": world_size, "pid": os.getpid()},
     )
     monitor = JobMonitor(sessions, args.job_id, args.worker_name, heartbeat_s=float("inf")).start()
+    # Only rank 0 reports: one set of metric rows, progress and events per job.
     progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt).start() if rank == 0 else None
-
-    def on_event(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        if rank == 0:
-            if progress is not None and kind in STAGES:
-                progress.set_stage(kind)
-            write_event(*trainer_event(kind, message, data))
+    on_event = event_recorder(sessions, args.job_id, on_stage=progress.set_stage) if progress else None
 
     try:
         result = train(
@@ -163,19 +151,10 @@ def _rank_main(argv: list[str] | None = None) -> int:
             progress.close()
         monitor.stop()
     if rank == 0:
-        atomic_write_json(
-            args.result,
-            {
-                "status": result.status,
-                "step": int(result.step),
-                "export_dir": str(result.export_dir) if result.export_dir else None,
-                "checkpoint_dir": str(result.checkpoint_dir) if result.checkpoint_dir else None,
-                "metrics": json.loads(json.dumps(result.metrics or {}, default=float)),
-            },
-        )
+        atomic_write_json(args.result, dataclasses.asdict(Outcome.from_train_result(result)))
     return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     sys.exit(_rank_main())

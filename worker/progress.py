@@ -9,30 +9,22 @@ changes and `flush()` wake it at once.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 from typing import Any
 
-from sqlalchemy import insert, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.db.models import Job, JobMetric, utcnow
+from service.crud.jobs import set_progress
+from service.crud.metrics import add_metrics
+from service.db.models import utcnow
+from worker.job_io import json_safe
 
 log = logging.getLogger(__name__)
 
 # Far more than the items produced between two writes; when the database stalls for that long the
 # training thread waits (back-pressure) rather than dropping rows.
 MAX_PENDING = 10_000
-
-
-def _jsonable(value: Any) -> Any:
-    # Metrics arrive as python floats, ints or 0-d tensors; JSON has no NaN/inf, so store those as null.
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 class _Flush:
@@ -93,7 +85,8 @@ class ProgressWriter:
         self.close()
 
     def on_metrics(self, metrics: dict[str, Any]) -> None:
-        values = {k: _jsonable(v) for k, v in metrics.items()}
+        # Metrics arrive as floats, ints or 0-d tensors, and a diverged loss is NaN: store JSON data.
+        values = json_safe(metrics)
         values["attempt"] = self.attempt
         self._put(("metrics", values, utcnow()), urgent=any(k.startswith("eval/") for k in values))
 
@@ -165,7 +158,7 @@ class ProgressWriter:
 
     def _add_row(self, values: dict[str, Any], created_at: Any) -> None:
         step = int(values.get("step") or 0)
-        self._rows.append({"job_id": self.job_id, "step": step, "values": values, "created_at": created_at})
+        self._rows.append({"step": step, "values": values, "created_at": created_at})
         self.progress["step"] = max(step, int(self.progress.get("step") or 0))
         for key in ("total_steps", "eta_s", "epoch"):
             if values.get(key) is not None:
@@ -186,14 +179,9 @@ class ProgressWriter:
             return
         rows = list(self._rows)
         with self.sessions() as session:
-            if rows:
-                session.execute(insert(JobMetric), rows)
-            session.execute(
-                update(Job)
-                .where(Job.id == self.job_id)
-                .values(progress=dict(self.progress), updated_at=utcnow())
-                .execution_options(synchronize_session=False)
-            )
+            for row in rows:
+                add_metrics(session, self.job_id, row["step"], row["values"], created_at=row["created_at"])
+            set_progress(session, self.job_id, dict(self.progress))
             session.commit()
         del self._rows[: len(rows)]
         self._dirty = False

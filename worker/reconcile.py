@@ -6,25 +6,27 @@
 - A queued job that Redis lost (restart, flush, failed enqueue) is enqueued again.
 
 Attempt semantics: `attempt` counts claims (starts). The claim increments it; the reconciler never does.
-Every change is a conditional transition, so several reconcilers (API, each worker) can run at once.
+Every change is a conditional transition, so several reconcilers (one beside each `peagle worker`, or
+`peagle reconcile`) can run at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from redis import Redis
 from rq.exceptions import InvalidJobOperation, NoSuchJobError
 from rq.job import JobStatus
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.db import jobstate
-from service.db.models import Job, JobEvent, utcnow
+from service.crud import jobstate
+from service.crud.events import add_event
+from service.crud.jobs import unfinished_jobs
+from service.db.models import Job, utcnow
 from service.db.session import session_factory
 from service.queue import enqueue_run, redis_from_url, rq_status
 from service.settings import Settings
@@ -66,10 +68,6 @@ def _death_reason(job: Job, redis: Redis, now: datetime, stale_s: float) -> str 
     return None
 
 
-def _event(session: Session, job_id: str, message: str, level: str = "warning", **data: object) -> None:
-    session.add(JobEvent(job_id=job_id, type="reconcile", level=level, message=message, data=data or None))
-
-
 def reconcile_once(
     settings: Settings, *, redis: Redis | None = None, min_queued_age_s: float = 5.0
 ) -> ReconcileReport:
@@ -80,15 +78,7 @@ def reconcile_once(
     now = utcnow()
     stale_s = stale_after_s(settings)
     with sessions() as session:
-        jobs = (
-            session.execute(
-                select(Job)
-                .where(Job.status.in_(("queued", "running", "cancelling")))
-                .order_by(Job.created_at)
-            )
-            .scalars()
-            .all()
-        )
+        jobs = unfinished_jobs(session)
         session.expunge_all()
 
     for job in jobs:
@@ -202,27 +192,24 @@ def _reenqueue_if_lost(
     if rq_status(redis, job.id) in _LIVE:
         return
     enqueue_run(redis, job.id, job.queue, settings.job_timeout_s)
-    _event(session, job.id, "re-enqueued: the queue had lost this job (Redis restart or flush)")
+    add_event(
+        session,
+        job.id,
+        "reconcile",
+        "re-enqueued: the queue had lost this job (Redis restart or flush)",
+        level="warning",
+    )
     session.commit()
     report.reenqueued.append(job.id)
 
 
-def reconcile_loop(settings: Settings, stop: threading.Event | None = None) -> None:
-    """Run `reconcile_once` every `settings.reconcile_interval_s` until `stop` is set; errors are logged."""
-    stop = stop or threading.Event()
+def reconcile_loop(settings: Settings) -> None:
+    """Run `reconcile_once` every `settings.reconcile_interval_s` until the process is stopped; a failed
+    pass is logged and the next one tries again."""
     redis = redis_from_url(settings.redis_url)
     while True:
         try:
             reconcile_once(settings, redis=redis)
         except Exception:
             log.exception("reconcile pass failed; retrying in %.0fs", settings.reconcile_interval_s)
-        if stop.wait(settings.reconcile_interval_s):
-            return
-
-
-def start_reconciler_thread(settings: Settings) -> tuple[threading.Thread, threading.Event]:
-    """Run the reconcile loop on a daemon thread (the API does this); set the event to stop it."""
-    stop = threading.Event()
-    thread = threading.Thread(target=reconcile_loop, args=(settings, stop), name="reconciler", daemon=True)
-    thread.start()
-    return thread, stop
+        time.sleep(settings.reconcile_interval_s)

@@ -10,78 +10,30 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from peagle_core.errors import DataError, PeagleError, VerifierError
+from peagle_core.errors import CheckpointError, DataError, VerifierError
 from peagle_core.io import atomic_dir, sha256_file
 from peagle_core.spec import JobSpec
-from service.db import jobstate
-from service.db.models import Checkpoint, Dataset, Job, JobEvent, new_id
+from service.artifacts import ArtifactStore
+from service.crud import jobstate
+from service.crud.checkpoints import add_checkpoint
+from service.crud.datasets import get_dataset
+from service.crud.events import add_event
+from service.crud.jobs import ACTIVE_STATUSES, find_job
+from service.db.models import Job, new_id
 from service.db.session import session_factory
 from service.settings import Settings
-from worker.artifacts import ArtifactStore, manifest_sha256
 from worker.cancel import JobMonitor
+from worker.job_io import Outcome, error_for, event_recorder, json_safe, write_event
+from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 
 log = logging.getLogger(__name__)
-
-ACTIVE = ("running", "cancelling")
-STAGES = ("prepare", "hidden_states", "train", "eval", "export")
-
-
-@dataclass
-class Outcome:
-    """What the training stage returned (a TrainResult, or the same fields from the torchrun ranks)."""
-
-    status: str
-    step: int
-    export_dir: str | None
-    checkpoint_dir: str | None
-    metrics: dict[str, Any]
-
-
-def error_for(exc: BaseException, *, stage: str) -> dict[str, Any]:
-    """The `{code, message}` stored on a failed job: actionable text, never a traceback."""
-    if isinstance(exc, PeagleError):
-        return {"code": exc.code, "message": exc.message, "param": exc.param}
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
-        return {
-            "code": "cuda_oom",
-            "message": f"CUDA ran out of memory during {stage}: lower training.total_seq_len, raise "
-            "training.num_segments (sequence partitioning), lower model.max_anchors, or use more GPUs "
-            "(resources.gpus)",
-        }
-    return {
-        "code": "internal_error",
-        "message": f"internal error during {stage} ({type(exc).__name__}); see the worker log",
-    }
-
-
-def add_event(
-    session: Session,
-    job_id: str,
-    type_: str,
-    message: str,
-    data: dict[str, Any] | None = None,
-    level: str = "info",
-) -> None:
-    session.add(JobEvent(job_id=job_id, type=type_, message=message, data=data, level=level))
-
-
-def trainer_event(kind: str, message: str, data: dict[str, Any] | None) -> tuple[str, str, dict[str, Any]]:
-    """A trainer `on_event` as a job_events row: `type="stage"` with `data.stage` for stage transitions,
-    else `type="log"` with `data.kind` (e.g. "epoch", whose data carries the hidden-state counters)."""
-    if kind in STAGES:
-        return "stage", message, {"stage": kind, **(data or {})}
-    return "log", message, {"kind": kind, **(data or {})}
 
 
 def latest_checkpoint_step(out_dir: Path) -> int | None:
@@ -144,7 +96,7 @@ class JobRunner:
                     session,
                     self.job_id,
                     "failed",
-                    expect=ACTIVE,
+                    expect=ACTIVE_STATUSES,
                     event=f"failed during {self.stage}: {error['message']}",
                     event_data={"error": error, "stage": self.stage},
                     level="error",
@@ -155,7 +107,11 @@ class JobRunner:
             # Interrupted (shutdown, Ctrl-C): hand the job back; the reconciler re-enqueues it.
             with self.sessions() as session:
                 jobstate.transition(
-                    session, self.job_id, "queued", expect=ACTIVE, event="worker interrupted; job requeued"
+                    session,
+                    self.job_id,
+                    "queued",
+                    expect=ACTIVE_STATUSES,
+                    event="worker interrupted; job requeued",
                 )
             raise
         finally:
@@ -163,30 +119,20 @@ class JobRunner:
 
     def _claim(self) -> Job | None:
         with self.sessions() as session:
-            claimed = jobstate.transition(
-                session,
-                self.job_id,
-                "running",
-                expect=("queued",),
-                event=f"running on {self.worker_name}",
-                event_data={"worker": self.worker_name},
-                attempt=Job.attempt + 1,
-                worker_name=self.worker_name,
-                heartbeat_at=jobstate.utcnow(),
-                error=None,
-            )
-            job = session.get(Job, self.job_id)
+            claimed = jobstate.claim(session, self.job_id, self.worker_name)
+            job = find_job(session, self.job_id)
             if job is None:
                 log.warning("job %s does not exist; skipping", self.job_id)
                 return None
             if not claimed:
                 log.info("job %s is %s, not queued; skipping", self.job_id, job.status)
+                # In this session: on SQLite the failed claim's UPDATE holds the write lock until commit.
                 add_event(
                     session,
                     self.job_id,
                     "log",
                     f"worker {self.worker_name} skipped the job: it is {job.status}, not queued",
-                    {"worker": self.worker_name, "status": job.status},
+                    data={"worker": self.worker_name, "status": job.status},
                 )
                 session.commit()
                 return None
@@ -231,9 +177,7 @@ class JobRunner:
 
     def _enter(self, stage: str, progress: ProgressWriter, message: str, **data: Any) -> None:
         self.stage = stage
-        with self.sessions() as session:
-            add_event(session, self.job_id, "stage", message, {"stage": stage, **data})
-            session.commit()
+        self._event("stage", message, {"stage": stage, **data})
         progress.set_stage(stage)
 
     def _work_dir(self) -> Path:
@@ -246,8 +190,6 @@ class JobRunner:
         self.stage = "prepare"
         _check_verifier_path(spec)
         if spec.resources.gpus > 1:
-            from worker.multigpu import rank_device
-
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
         out_dir = self._work_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -268,15 +210,7 @@ class JobRunner:
             )
         self._enter("train", progress, "training", resume_step=resume_step, gpus=spec.resources.gpus)
 
-        def on_event(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-            if kind in STAGES:
-                self.stage = kind
-                progress.set_stage(kind)
-            self._event(*trainer_event(kind, message, data))
-
         if spec.resources.gpus > 1:
-            from worker.multigpu import train_distributed
-
             return train_distributed(
                 self.settings,
                 self.job_id,
@@ -289,28 +223,24 @@ class JobRunner:
             )
         from peagle_core.train import train
 
+        def on_stage(stage: str) -> None:
+            self.stage = stage
+            progress.set_stage(stage)
+
         result = train(
             spec,
             out_dir,
             on_metrics=progress.on_metrics,
             should_stop=monitor.should_stop,
-            on_event=on_event,
+            on_event=event_recorder(self.sessions, self.job_id, on_stage=on_stage),
             resume=True,
             dataset_dir=dataset_dir,
             cache_dir=cache_dir,
         )
-        return Outcome(
-            status=result.status,
-            step=int(result.step),
-            export_dir=str(result.export_dir) if result.export_dir else None,
-            checkpoint_dir=str(result.checkpoint_dir) if result.checkpoint_dir else None,
-            metrics=dict(result.metrics or {}),
-        )
+        return Outcome.from_train_result(result)
 
     def _event(self, type_: str, message: str, data: dict[str, Any] | None = None) -> None:
-        with self.sessions() as session:
-            add_event(session, self.job_id, type_, message, data)
-            session.commit()
+        write_event(self.sessions, self.job_id, type_, message, data)
 
     def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
         """The JSONL to prepare from and its sha256 (the reuse key's data part)."""
@@ -320,9 +250,7 @@ class JobRunner:
                 raise DataError(f"dataset.path {path} does not exist on the worker", param="dataset.path")
             return path, sha256_file(path)
         with self.sessions() as session:
-            ds = session.execute(
-                select(Dataset).where(Dataset.id == spec.dataset.id, Dataset.project_id == job.project_id)
-            ).scalar_one_or_none()
+            ds = get_dataset(session, job.project_id, spec.dataset.id)
         if ds is None:
             raise DataError(f"dataset {spec.dataset.id} was not found (deleted?)", param="dataset.id")
         local = self.store.local_path(ds.uri)
@@ -381,17 +309,14 @@ class JobRunner:
     # -- publish -----------------------------------------------------------------------------------
 
     def _publish(self, job: Job, spec: JobSpec, outcome: Outcome) -> str:
-        """Validate the export, copy it under a temp key, verify, rename, and only then insert the row."""
-        from peagle_core.errors import CheckpointError
-        from peagle_core.export import validate_checkpoint
+        """Copy the export under a temp key, verify, rename, and only then insert the row.
 
+        The trainer validated the export before returning it (`peagle_core.export.export_checkpoint`).
+        """
         self.stage = "publish"
         if outcome.export_dir is None:
             raise CheckpointError(["training completed but produced no export"])
         export_dir = Path(outcome.export_dir)
-        problems = validate_checkpoint(export_dir)
-        if problems:
-            raise CheckpointError(problems, path=str(export_dir))
         ckpt_id = new_id("ckpt")
         key = f"checkpoints/{ckpt_id}"
         files = self.store.publish_dir(export_dir, key)
@@ -400,24 +325,21 @@ class JobRunner:
         if eval_json.is_file():
             metrics.setdefault("eval", json.loads(eval_json.read_text()))
         with self.sessions() as session:
-            session.add(
-                Checkpoint(
-                    id=ckpt_id,
-                    job_id=self.job_id,
-                    project_id=job.project_id,
-                    step=outcome.step,
-                    uri=key,
-                    files=list(files),
-                    sha256=manifest_sha256(files),
-                    size=sum(f["size"] for f in files),
-                    metrics=_json_safe(metrics),
-                )
+            add_checkpoint(
+                session,
+                checkpoint_id=ckpt_id,
+                job_id=self.job_id,
+                project_id=job.project_id,
+                step=outcome.step,
+                uri=key,
+                files=files,
+                metrics=json_safe(metrics),
             )
             moved = jobstate.transition(
                 session,
                 self.job_id,
                 "succeeded",
-                expect=ACTIVE,
+                expect=ACTIVE_STATUSES,
                 event=f"succeeded at step {outcome.step}; checkpoint {ckpt_id} published",
                 event_data={"checkpoint_id": ckpt_id, "step": outcome.step},
                 commit=False,
@@ -430,10 +352,6 @@ class JobRunner:
                 return "lost"
             session.commit()
         return "succeeded"
-
-
-def _json_safe(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
 def _check_verifier_path(spec: JobSpec) -> None:

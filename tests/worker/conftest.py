@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PEAGLE = [sys.executable, "-c", "from service.cli import main; main()"]
+PEAGLE = [sys.executable, "-m", "cli"]
 
 
 def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str, Any]:
@@ -147,21 +147,6 @@ class Stack:
             f"{job_id} to be {statuses}", lambda: (j := self.job(job_id)).status in statuses and j
         )
 
-    def close(self) -> None:
-        """Stop workers and settle this test's unfinished jobs, so later tests' reconcilers skip them."""
-        from sqlalchemy import update
-
-        from service.db.models import Job
-
-        self.stop_all()
-        with self.sessions() as s:
-            s.execute(
-                update(Job)
-                .where(Job.project_id == self.project_id, Job.status.in_(("queued", "running", "cancelling")))
-                .values(status="cancelled")
-            )
-            s.commit()
-
     def stop_all(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -184,4 +169,4 @@ def stack(
     try:
         yield s
     finally:
-        s.close()
+        s.stop_all()

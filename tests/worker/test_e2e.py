@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from service.artifacts import ArtifactStore, manifest_sha256
 from tests.worker.conftest import PEAGLE, REPO, Stack, toy_spec
-from worker.artifacts import ArtifactStore, manifest_sha256
 
 
 def test_job_succeeds_and_publishes_a_valid_checkpoint(
@@ -123,7 +123,7 @@ def stop_checkpoint(stack: Stack, job_id: str) -> str:
 def test_cancel_during_training_saves_a_checkpoint(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
 ) -> None:
-    from service.db import jobstate
+    from service.crud import jobstate
 
     job_id, _ = start_long_job(stack, toy_verifier_dir, toy_dataset_path)
     with stack.sessions() as s:
@@ -144,7 +144,7 @@ def test_worker_shutdown_checkpoints_requeues_and_the_job_resumes(
 ) -> None:
     import signal
 
-    from service.db import jobstate
+    from service.crud import jobstate
     from worker.reconcile import reconcile_once
 
     job_id, worker = start_long_job(stack, toy_verifier_dir, toy_dataset_path)

@@ -5,10 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import update
-
-from service.db import jobstate
-from service.db.models import Job, utcnow
+from service.crud import jobstate
+from service.db.models import utcnow
 from service.queue import rq_status
 from tests.worker.conftest import Stack, toy_spec
 from worker.reconcile import reconcile_once
@@ -17,14 +15,14 @@ from worker.reconcile import reconcile_once
 def _running(stack: Stack, job_id: str, *, heartbeat_age_s: float, attempt: int) -> None:
     with stack.sessions() as s:
         assert jobstate.transition(
-            s, job_id, "running", expect=("queued",), attempt=attempt, worker_name="gone.1"
+            s,
+            job_id,
+            "running",
+            expect=("queued",),
+            attempt=attempt,
+            worker_name="gone.1",
+            heartbeat_at=utcnow() - timedelta(seconds=heartbeat_age_s),
         )
-        s.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(heartbeat_at=utcnow() - timedelta(seconds=heartbeat_age_s))
-        )
-        s.commit()
 
 
 def test_dead_worker_requeues_then_fails_after_max_attempts(stack: Stack, tmp_path: Path) -> None:
