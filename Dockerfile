@@ -26,6 +26,8 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
 COPY peagle_core ./peagle_core
 COPY service ./service
 COPY worker ./worker
+COPY client ./client
+COPY cli ./cli
 COPY migrations ./migrations
 RUN pip install .
 

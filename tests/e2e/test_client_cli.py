@@ -22,8 +22,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from service.cli import build_app
-from service.client import PeagleClient
+from cli import build_app
+from client import PeagleClient
 
 DATASET_ROWS = [
     {
@@ -188,7 +188,7 @@ def test_bad_key_from_the_console_script_has_no_traceback(server_url: str, tmp_p
         "PEAGLE_DATA_DIR": str(tmp_path),
     }
     proc = subprocess.run(
-        [sys.executable, "-c", "from service.cli import main; main()", "jobs", "list"],
+        [sys.executable, "-m", "cli", "jobs", "list"],
         env=env,
         capture_output=True,
         text=True,
@@ -205,9 +205,11 @@ def test_bad_key_from_the_console_script_has_no_traceback(server_url: str, tmp_p
 @pytest.fixture
 def published_checkpoint(peagle, dataset_file: Path, settings: Any, tmp_path: Path) -> dict[str, Any]:
     """A checkpoint published the way the worker does it: files under a key, then the DB row."""
-    from service.db.models import Checkpoint, Job
+    from service.artifacts import ArtifactStore
+    from service.crud.checkpoints import add_checkpoint
+    from service.crud.jobs import find_job
+    from service.db.models import new_id
     from service.db.session import session_scope
-    from worker.artifacts import ArtifactStore, manifest_sha256
 
     _, out, _ = peagle("datasets", "upload", str(dataset_file))
     _, out, _ = peagle("jobs", "submit", str(write_spec(tmp_path / "job.yaml", settings, out.strip())))
@@ -217,17 +219,15 @@ def published_checkpoint(peagle, dataset_file: Path, settings: Any, tmp_path: Pa
     (src / "config.json").write_text(json.dumps({"speculators_model_type": "peagle"}))
     (src / "model.safetensors").write_bytes(os.urandom(3 * (1 << 20) + 123))
     store = ArtifactStore(settings.artifact_root)
+    ckpt_id = new_id("ckpt")
+    uri = f"checkpoints/{ckpt_id}"
+    files = store.publish_dir(src, uri)
     with session_scope(settings.database_url) as session:
-        job = session.get(Job, job_id)
-        ckpt = Checkpoint(
-            job_id=job_id, project_id=job.project_id, step=7, uri="", files=[], sha256="", size=0
+        project_id = find_job(session, job_id).project_id
+        add_checkpoint(
+            session, checkpoint_id=ckpt_id, job_id=job_id, project_id=project_id, step=7, uri=uri, files=files
         )
-        session.add(ckpt)
-        session.flush()
-        ckpt.uri = f"checkpoints/{ckpt.id}"
-        files = store.publish_dir(src, ckpt.uri)
-        ckpt.files, ckpt.sha256, ckpt.size = files, manifest_sha256(files), sum(f["size"] for f in files)
-        return {"id": ckpt.id, "job_id": job_id, "src": src, "store": store, "uri": ckpt.uri}
+    return {"id": ckpt_id, "job_id": job_id, "src": src, "store": store, "uri": uri}
 
 
 def test_download_resumes_through_range(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,8 @@ import typer
 import yaml
 from pydantic import BaseModel
 
+from cli import build_app
 from peagle_core.spec import JobSpec
-from service.cli import build_app
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,8 +115,12 @@ def test_dockerfile_installs_the_project() -> None:
     froms = [line for line in text.splitlines() if line.startswith("FROM")]
     assert froms == ["FROM python:3.11-slim"]
     assert "pip install ." in text
-    for copied in re.findall(r"^COPY (\S+)", text, flags=re.M):
-        assert (ROOT / copied).exists(), f"Dockerfile copies {copied}, which does not exist"
+    copied = re.findall(r"^COPY (\S+)", text, flags=re.M)
+    for path in copied:
+        assert (ROOT / path).exists(), f"Dockerfile copies {path}, which does not exist"
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    missing = {p.rstrip("*") for p in packages["find"]["include"]} - set(copied)
+    assert not missing, f"the image would lack the packages {sorted(missing)}"
 
 
 # -- README --------------------------------------------------------------------------------------

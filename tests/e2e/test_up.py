@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from service.client import PeagleClient
+from client import PeagleClient
 
-PEAGLE = [sys.executable, "-c", "from service.cli import main; main()"]
+PEAGLE = [sys.executable, "-m", "cli"]
 pytestmark = pytest.mark.slow
 
 

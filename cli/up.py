@@ -1,4 +1,4 @@
-"""`peagle up`: the whole service on one machine with nothing installed (see service/embedded.py)."""
+"""`peagle up`: the whole service on one machine with nothing installed (see cli/embedded.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def up(
     port: Annotated[int, typer.Option(help="API port.")] = 8000,
 ) -> None:
     """Run API + worker + SQLite + embedded Redis + reconciler until Ctrl-C; run again to continue."""
-    from service.embedded import EmbeddedStack, StackError
+    from cli.embedded import EmbeddedStack, StackError
 
     stack = EmbeddedStack(data_dir=data_dir, host=host, port=port)
     # Ctrl-C and SIGTERM only ask the supervisor loop to end; the orderly stop happens below.

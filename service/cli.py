@@ -1,4 +1,4 @@
-"""`peagle` server-side commands: `api` (uvicorn), `db upgrade` (Alembic), `keys create`."""
+"""The server side of `peagle`: `api` (uvicorn), `db upgrade` (Alembic) and `keys create`."""
 
 from __future__ import annotations
 

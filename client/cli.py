@@ -1,4 +1,4 @@
-"""`peagle jobs|checkpoints|datasets ...`: the HTTP client commands, plus registration of `up` and `demo`.
+"""The client side of `peagle`: `jobs`, `checkpoints` and `datasets`, over the HTTP API.
 
 Every API error is printed as one line (the API's message) with a non-zero exit, never a traceback.
 The key and URL come from `--key/--url`, `PEAGLE_API_KEY/PEAGLE_URL`, or the files `peagle up` writes.
@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from client.local import DEFAULT_URL, resolve_connection
+from client.sdk import ClientError, PeagleClient
 from peagle_core.cli.common import fail
-from service.client import ApiError, PeagleClient
-
-# Written by `peagle up` into its data dir; used when neither --key nor PEAGLE_API_KEY is given.
-from service.embedded import KEY_FILE, URL_FILE
-
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 UrlOpt = Annotated[
     str | None, typer.Option("--url", envvar="PEAGLE_URL", help=f"API base URL [default: {DEFAULT_URL}].")
@@ -37,30 +32,10 @@ datasets_app = typer.Typer(no_args_is_help=True, help="Upload and list JSONL cha
 
 
 def register(app: typer.Typer) -> None:
-    """Add the client command groups, `peagle up` and `peagle demo` to `app`."""
-    from service.cli import demo, up
-
+    """Add the client command groups to `app`."""
     app.add_typer(jobs_app, name="jobs")
     app.add_typer(checkpoints_app, name="checkpoints")
     app.add_typer(datasets_app, name="datasets")
-    up.register(app)
-    demo.register(app)
-
-
-def _local_data_dir() -> Path:
-    return Path(os.environ.get("PEAGLE_DATA_DIR", "./peagle-data"))
-
-
-def resolve_connection(url: str | None, key: str | None) -> tuple[str, str | None]:
-    """Explicit values win; else what a local `peagle up` wrote into its data dir; else the default URL."""
-    data_dir = _local_data_dir()
-    if url is None:
-        url_file = data_dir / URL_FILE
-        url = url_file.read_text().strip() if url_file.is_file() else DEFAULT_URL
-    if key is None:
-        key_file = data_dir / KEY_FILE
-        key = key_file.read_text().strip() if key_file.is_file() else None
-    return url, key
 
 
 @contextlib.contextmanager
@@ -70,7 +45,7 @@ def connect(url: str | None, key: str | None) -> Iterator[PeagleClient]:
     client = PeagleClient(url, key)
     try:
         yield client
-    except ApiError as exc:
+    except ClientError as exc:
         hint = ""
         if exc.status == 401 and key is None:
             hint = " (no API key: pass --key or set PEAGLE_API_KEY)"

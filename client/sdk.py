@@ -1,4 +1,4 @@
-"""Python client for the peagle HTTP API: one method per route, errors raised as `ApiError`.
+"""The Python SDK for the peagle HTTP API: one method per route, errors raised as `ClientError`.
 
 Built on httpx; imports nothing from the server side, so it works from any machine that can reach the API.
 """
@@ -19,7 +19,7 @@ TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 _CHUNK = 1 << 20
 
 
-class ApiError(Exception):
+class ClientError(Exception):
     """An error answer from the API (its `{"error": {...}}` envelope), or a transport failure.
 
     `status` is the HTTP status, 0 when the server could not be reached at all.
@@ -38,7 +38,7 @@ class ApiError(Exception):
         return f"{self.message}{where} [{self.code}]"
 
     @classmethod
-    def from_response(cls, response: httpx.Response) -> ApiError:
+    def from_response(cls, response: httpx.Response) -> ClientError:
         """Build from an error response; a body that is not our envelope still gives a readable message."""
         try:
             err = response.json()["error"]
@@ -55,7 +55,7 @@ class ApiError(Exception):
             return cls(response.status_code, "http_error", f"http_{response.status_code}", message)
 
 
-class ChecksumMismatch(ApiError):
+class ChecksumMismatch(ClientError):
     """A downloaded file whose sha256 or size differs from what the API published."""
 
     def __init__(self, message: str, param: str | None = None):
@@ -98,9 +98,11 @@ class PeagleClient:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise ApiError(0, "connection_error", "unreachable", f"cannot reach {self.url}: {exc}") from None
+            raise ClientError(
+                0, "connection_error", "unreachable", f"cannot reach {self.url}: {exc}"
+            ) from None
         if response.status_code >= 400:
-            raise ApiError.from_response(response)
+            raise ClientError.from_response(response)
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -280,7 +282,7 @@ class PeagleClient:
             with self._http.stream("GET", path, headers=headers) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise ApiError.from_response(response)
+                    raise ClientError.from_response(response)
                 # A server that ignores Range answers 200 with the whole file: start over.
                 mode = "ab" if response.status_code == 206 else "wb"
                 with open(part, mode) as f:
@@ -289,7 +291,7 @@ class PeagleClient:
                         if on_bytes is not None:
                             on_bytes(len(chunk))
         except httpx.TransportError as exc:
-            raise ApiError(
+            raise ClientError(
                 0, "connection_error", "unreachable", f"download of {name} broke off: {exc}"
             ) from None
 

@@ -24,14 +24,13 @@ from typing import IO
 
 import httpx
 
+from client.local import KEY_FILE, URL_FILE
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_bytes
 
-KEY_FILE = "api-key"  # plaintext of the local project's key (0600); the DB holds only its hash
-URL_FILE = "url"
 LOCAL_PROJECT = "local"
 # Runs the `peagle` CLI of this interpreter, whether or not the console script is on PATH.
-PEAGLE = [sys.executable, "-c", "from service.cli import main; main()"]
+PEAGLE = [sys.executable, "-m", "cli"]
 
 
 class StackError(PeagleError):

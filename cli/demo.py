@@ -20,10 +20,12 @@ from typing import Annotated, Any
 import typer
 import yaml
 
+from cli.embedded import PEAGLE
+from client.cli import connect, download_with_progress
+from client.local import KEY_FILE, URL_FILE
+from client.sdk import PeagleClient
 from peagle_core.cli.common import fail
 from peagle_core.io import atomic_write_bytes
-from service.cli.client import KEY_FILE, URL_FILE, connect, download_with_progress
-from service.client import PeagleClient
 
 
 @dataclass(frozen=True)
@@ -226,8 +228,6 @@ def _server(url: str | None, data_dir: Path, port: int | None) -> Iterator[str]:
         typer.echo(f"using the `peagle up` already running at {running}", err=True)
         yield running
         return
-    from service.embedded import PEAGLE
-
     port = port or _free_port()
     log = data_dir / "logs" / "up.log"
     log.parent.mkdir(parents=True, exist_ok=True)
