@@ -1,7 +1,8 @@
 """API latency under load: p50/p99 and sustained req/s of GET /v1/jobs/{id} and POST /v1/jobs.
 
-Creates a scratch Postgres database, bulk-inserts N existing jobs, serves the API with uvicorn in a
-subprocess and drives it from another process at a fixed (open-loop) request rate with httpx.
+Creates a scratch Postgres database with N existing jobs (written through crud, as the API writes them),
+serves the API with uvicorn in a subprocess and drives it from another process at a fixed (open-loop)
+request rate with httpx.
 Prints one JSON object per measurement on stdout.
 
     python bench/api_load.py --postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres \
@@ -149,7 +150,7 @@ def main() -> None:
     ap.add_argument(
         "--redis-url", default=os.environ.get("PEAGLE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
-    ap.add_argument("--jobs", type=int, default=10_000, help="existing jobs to bulk-insert")
+    ap.add_argument("--jobs", type=int, default=10_000, help="existing jobs to create first")
     ap.add_argument("--rate", type=float, default=100.0, help="requests per second")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per measurement")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of unrecorded load first")
