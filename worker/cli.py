@@ -10,9 +10,7 @@ import typer
 def worker(
     queue: Annotated[
         list[str] | None,
-        typer.Option(
-            "--queue", "-q", help="Queue to listen on (repeatable) [default: default].", show_default=False
-        ),
+        typer.Option("--queue", "-q", help="Queue to listen on (repeatable).", show_default="default"),
     ] = None,
     gpu: Annotated[
         list[str] | None,
