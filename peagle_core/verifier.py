@@ -13,8 +13,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from peagle_core.config import default_layer_ids
 from peagle_core.errors import VerifierError
-from peagle_core.spec import default_layer_ids
 
 if TYPE_CHECKING:
     import torch

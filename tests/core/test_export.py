@@ -1,4 +1,4 @@
-"""The vLLM checkpoint export: the §6 config, bit-exact round trip, and the validator's reasons."""
+"""The vLLM checkpoint export: config.json, bit-exact round trip, and the validator's reasons."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ VERIFIER_NAME = "toy/verifier"
 
 
 def _small_model(vocab: int = 512, draft_vocab: int = 64):
-    from peagle_core.model import PEagleConfig, PEagleDraftModel
+    from peagle_core.config import PEagleConfig
+    from peagle_core.model import PEagleDraftModel
 
     torch.manual_seed(0)
     config = PEagleConfig(
@@ -48,7 +49,7 @@ def _small_model(vocab: int = 512, draft_vocab: int = 64):
     targets = torch.arange(draft_vocab) * 7
     t2d[targets] = True
     d2t = targets - torch.arange(draft_vocab)
-    model.load_verifier_head(torch.nn.RMSNorm(32), torch.randn(vocab, 32), t2d, d2t)
+    model.set_vocab_map(t2d, d2t)
     with torch.no_grad():  # make every tensor distinct from its init so the round trip proves something
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
@@ -266,3 +267,26 @@ def test_cli_validate(exported: Path) -> None:
         "config.json: missing required field 'mask_token_id'",
         "model.safetensors: missing tensor 'mask_hidden'",
     ]
+
+
+def test_every_config_field_has_one_place_in_config_json() -> None:
+    from peagle_core.config import PEagleConfig
+    from peagle_core.speculators import CONFIG_FIELDS, config_from_json, config_json
+
+    assert CONFIG_FIELDS.keys() == PEagleConfig.model_fields.keys()
+    paths = [f.path for f in CONFIG_FIELDS.values()]
+    assert len(set(paths)) == len(paths)
+    config = _small_model().config.model_copy(update={"max_anchors": 7, "down_sample_ratio": 0.5})
+    assert config_from_json(json.loads(json.dumps(config_json(config)))) == config
+
+
+def test_a_failing_export_publishes_nothing(tmp_path: Path) -> None:
+    other_verifier = {"hidden_size": 48, "vocab_size": 512, "num_hidden_layers": 4}
+    with pytest.raises(CheckpointError, match="hidden_size is 32, the verifier's is 48"):
+        export_checkpoint(
+            _small_model(),
+            tmp_path / "ckpt",
+            verifier_name_or_path=VERIFIER_NAME,
+            verifier_config=other_verifier,
+        )
+    assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from peagle_core.spec import JobSpec, SpecError, default_layer_ids, load_spec, parse_spec
+from peagle_core.spec import JobSpec, SpecError, load_spec, parse_spec
 
 BASE = {"verifier": {"name_or_path": "/models/v"}, "dataset": {"path": "/data/chat.jsonl", "seq_len": 512}}
 
@@ -70,10 +70,3 @@ def test_file_errors_name_the_line(tmp_path) -> None:
     bad.write_text("verifier:\n  name_or_path: [unclosed\n")
     with pytest.raises(SpecError, match="line"):
         load_spec(bad)
-
-
-def test_default_layer_ids() -> None:
-    assert default_layer_ids(32) == [2, 16, 29]
-    assert len(set(default_layer_ids(4))) == 3 and max(default_layer_ids(4)) < 4
-    with pytest.raises(ValueError):
-        default_layer_ids(2)

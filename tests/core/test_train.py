@@ -158,15 +158,17 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(
 
 
 def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: Path, spec_for) -> None:
+    from peagle_core.builders import build_model, build_teacher
     from peagle_core.data import PreparedDataset
     from peagle_core.data.packing import pack_bins
     from peagle_core.hidden_states import BatchLoader, make_source
-    from peagle_core.train import build_model, forward_backward
+    from peagle_core.train import forward_backward
 
     spec = spec_for()
     ds = PreparedDataset.open(prepared_dataset)
     torch.manual_seed(0)
     model = build_model(spec, toy_verifier, ds, torch.device("cpu"))
+    teacher = build_teacher(toy_verifier, model)
     bins = pack_bins(ds.lengths, 256, seed=0, epoch=0)
     source = make_source("online", ds, verifier_factory=lambda: toy_verifier)
     batch = next(iter(BatchLoader(ds, source, bins[:1], total_seq_len=256)))
@@ -174,7 +176,12 @@ def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: P
     def grads(num_segments: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         m = copy.deepcopy(model)
         metrics = forward_backward(
-            m, batch, num_segments=num_segments, generator=torch.Generator().manual_seed(3), scale=0.5
+            m,
+            teacher,
+            batch,
+            num_segments=num_segments,
+            generator=torch.Generator().manual_seed(3),
+            scale=0.5,
         )
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, metrics
 
@@ -211,8 +218,8 @@ def test_hybrid_second_epoch_reads_the_cache_without_the_verifier(
 def test_lm_head_starts_from_the_verifier_rows_when_asked(
     spec_for, toy_verifier, prepared_dataset: Path, init: bool
 ) -> None:
+    from peagle_core.builders import build_model
     from peagle_core.data import PreparedDataset
-    from peagle_core.train import build_model
 
     spec = spec_for()
     spec.model.init_lm_head_from_verifier = init

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from peagle_core.config import default_layer_ids
 from peagle_core.errors import VerifierError
-from peagle_core.spec import default_layer_ids
 from peagle_core.verifier import Verifier
 
 
