@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from peagle_core.cli.common import RevisionOption, TrustRemoteCodeOption, VerifierOption
 from peagle_core.errors import CacheError
 
 app = typer.Typer(no_args_is_help=True, help="Hidden-state cache: build (resumable) and verify.")
@@ -28,7 +29,7 @@ def _parse_layer_ids(text: str | None) -> list[int] | None:
 
 @app.command("build")
 def build(
-    verifier: Annotated[str, typer.Option("--verifier", help="Verifier: local HF directory or hub id.")],
+    verifier: VerifierOption,
     data: Annotated[Path, typer.Option("--data", help="Prepared dataset directory (`peagle data prepare`).")],
     out: Annotated[Path, typer.Option("--out", help="Cache directory (created, or resumed if it exists).")],
     dtype: Annotated[
@@ -39,14 +40,14 @@ def build(
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per verifier call.")] = 8,
     shard_mb: Annotated[float, typer.Option("--shard-mb", min=0.0, help="Target shard size in MiB.")] = 128.0,
-    revision: Annotated[str | None, typer.Option("--revision", help="Hub revision of the verifier.")] = None,
+    revision: RevisionOption = None,
     device: Annotated[
         str | None, typer.Option("--device", help="cuda / cpu (default: cuda if available).")
     ] = None,
     verifier_dtype: Annotated[
         str, typer.Option("--verifier-dtype", help="auto, float32, bfloat16, float16.")
     ] = "auto",
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
     """Run the verifier over every sample of PREPARED and store its hidden states in OUT."""
     from peagle_core.cache import DTYPES, CacheFingerprint, build_cache, human_bytes

@@ -8,12 +8,14 @@ from typing import Annotated
 
 import typer
 
+from peagle_core.cli.common import RevisionOption, TrustRemoteCodeOption, VerifierOption
+
 app = typer.Typer(no_args_is_help=True, help="Training data: validate and prepare JSONL datasets.")
 
 
 @app.command("prepare")
 def prepare(
-    verifier: Annotated[str, typer.Option("--verifier", help="Verifier: local HF directory or hub id.")],
+    verifier: VerifierOption,
     data: Annotated[Path, typer.Option("--data", help="JSONL dataset (messages, ShareGPT or tokenized).")],
     out: Annotated[Path, typer.Option("--out", help="Prepared dataset directory to write.")],
     seq_len: Annotated[
@@ -27,8 +29,8 @@ def prepare(
             "--draft-vocab-size", min=1, help="Draft vocabulary size (default: the full vocabulary)."
         ),
     ] = None,
-    revision: Annotated[str | None, typer.Option("--revision", help="Hub revision of the verifier.")] = None,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code")] = False,
+    revision: RevisionOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
     """Apply the verifier's chat template, mask assistant tokens, truncate, build the draft vocabulary."""
     from peagle_core.data import prepare_dataset
