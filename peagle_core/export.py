@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from peagle_core.model import PEagleDraftModel
 
 __all__ = ["export_checkpoint", "model_card", "serve_command", "validate_checkpoint"]
+
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # `ExportSpec.dtype` -> torch
 
 
 def serve_command(verifier: str, checkpoint_dir: str | Path, k: int) -> str:
@@ -88,13 +90,13 @@ def export_checkpoint(
     data_fingerprint: str | None = None,
     metrics: Mapping[str, Any] | None = None,
     speculative_tokens: int | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: Literal["bf16", "fp32"] = "bf16",
 ) -> Path:
     """Write the checkpoint directory with its model card, atomically and only if it validates.
 
     This is the one place an export is validated: against the contract and, given `verifier_config`
     (an HF config or dict), against the verifier it will be served with. CheckpointError lists every
-    problem; nothing appears at `out_dir` then. `dtype` casts the float tensors (default: as trained).
+    problem; nothing appears at `out_dir` then. `dtype` is the float tensors' dtype (`export.dtype`).
     """
     out_dir = Path(out_dir)
     config = model.config.model_copy(update={"verifier_name_or_path": verifier_name_or_path})
@@ -114,5 +116,11 @@ def export_checkpoint(
             raise CheckpointError(problems, path=str(out_dir))
 
     return write_checkpoint(
-        out_dir, config, model.state_dict(), speculative_tokens=k, readme=readme, dtype=dtype, check=check
+        out_dir,
+        config,
+        model.state_dict(),
+        speculative_tokens=k,
+        readme=readme,
+        dtype=EXPORT_DTYPES[dtype],
+        check=check,
     )

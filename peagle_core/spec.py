@@ -140,6 +140,15 @@ class EvaluationSpec(_Strict):
         return v
 
 
+class ExportSpec(_Strict):
+    """The published checkpoint."""
+
+    dtype: Literal["bf16", "fp32"] = Field(
+        default="bf16",
+        description="Weights dtype of the exported checkpoint (speculators checkpoints are bf16).",
+    )
+
+
 class ResourcesSpec(_Strict):
     """What the job runs on."""
 
@@ -157,6 +166,7 @@ class JobSpec(_Strict):
     model: ModelSpec = Field(default_factory=ModelSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
 
     @model_validator(mode="after")

@@ -457,6 +457,7 @@ def export(run: Trainer, progress: Progress) -> Path | None:
             data_fingerprint=run.dataset.fingerprint,
             metrics={k: v for k, v in summary.items() if v is not None},
             speculative_tokens=max(run.spec.speculative_tokens),
+            dtype=run.spec.export.dtype,
         )
         atomic_write_json(export_dir / "eval.json", progress.evaluation or {})
     dist_utils.barrier(run.info)

@@ -197,9 +197,9 @@ def _check_tensors(cfg: dict, weights: Path) -> list[str]:
                     if not torch.isfinite(t).all():
                         problems.append(f"{WEIGHTS_NAME}: tensor {name!r} holds NaN or inf values")
             if len(float_dtypes) > 1:
-                problems.append(
-                    f"{WEIGHTS_NAME}: float tensors mix dtypes {sorted(str(d) for d in float_dtypes)}"
-                )
+                mix = sorted(str(d).removeprefix("torch.") for d in float_dtypes)
+                problems.append(f"{WEIGHTS_NAME}: float tensors mix dtypes {mix}; a checkpoint holds one "
+                                "(bf16, or fp32 when export.dtype asks for it)")  # fmt: skip
             if not problems:
                 problems += _check_vocab_map(f.get_tensor("d2t"), f.get_tensor("t2d"), fields)
     except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files

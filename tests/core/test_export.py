@@ -58,12 +58,14 @@ def _small_model(vocab: int = 512, draft_vocab: int = 64):
 
 @pytest.fixture
 def exported(tmp_path: Path) -> Path:
+    """An fp32 export, so a reload compares bit for bit (and edits below stay one dtype)."""
     return export_checkpoint(
         _small_model(),
         tmp_path / "ckpt",
         verifier_name_or_path=VERIFIER_NAME,
         data_fingerprint="abc123",
         metrics={"eval/acceptance_length@3": 2.5},
+        dtype="fp32",
     )
 
 
@@ -290,3 +292,27 @@ def test_a_failing_export_publishes_nothing(tmp_path: Path) -> None:
             verifier_config=other_verifier,
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_export_is_bf16_and_loads_back(tmp_path: Path) -> None:
+    from peagle_core.model import PEagleDraftModel
+
+    path = export_checkpoint(_small_model(), tmp_path / "ckpt", verifier_name_or_path=VERIFIER_NAME)
+    saved = load_file(str(path / "model.safetensors"))
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool
+    assert validate_checkpoint(path) == []
+    original = _small_model().state_dict()
+    loaded = PEagleDraftModel.from_pretrained(path).state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor.to(loaded[name].dtype)), name
+        assert torch.equal(tensor, original[name].to(tensor.dtype)), name
+
+
+def test_rejects_a_dtype_mix(tmp_path: Path) -> None:
+    path = export_checkpoint(_small_model(), tmp_path / "ckpt", verifier_name_or_path=VERIFIER_NAME)
+    _break_tensors(path, lambda t: t.__setitem__("norm.weight", t["norm.weight"].float()))
+    assert validate_checkpoint(path) == [
+        "model.safetensors: float tensors mix dtypes ['bfloat16', 'float32']; a checkpoint holds one "
+        "(bf16, or fp32 when export.dtype asks for it)"
+    ]

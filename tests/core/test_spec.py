@@ -34,6 +34,7 @@ def test_defaults_follow_the_parameter_table() -> None:
         ({"training": {"epochs": 0}}, "training.epochs"),
         ({"training": {"bogus": 1}}, "training.bogus"),
         ({"resources": {"queue": "no spaces"}}, "resources.queue"),
+        ({"export": {"dtype": "fp16"}}, "export.dtype"),
     ],
 )
 def test_bad_fields_are_named(patch: dict, param: str) -> None:
@@ -70,3 +71,8 @@ def test_file_errors_name_the_line(tmp_path) -> None:
     bad.write_text("verifier:\n  name_or_path: [unclosed\n")
     with pytest.raises(SpecError, match="line"):
         load_spec(bad)
+
+
+def test_export_defaults_to_bf16() -> None:
+    assert parse_spec(BASE).export.dtype == "bf16"
+    assert parse_spec({**BASE, "export": {"dtype": "fp32"}}).export.dtype == "fp32"

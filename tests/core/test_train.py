@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from peagle_core.checkpoint import latest_checkpoint
 from peagle_core.export import validate_checkpoint
@@ -67,6 +68,7 @@ def test_full_run_reports_checkpoints_evaluates_and_exports(
 
     verifier_config = AutoConfig.from_pretrained(spec.verifier.name_or_path)
     assert validate_checkpoint(result.export_dir, verifier_config) == []
+    assert load_file(str(result.export_dir / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     assert (result.export_dir / "eval.json").is_file()
     assert "eval/acceptance_length@3" in result.metrics
 
