@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig
 
 DEFAULT_DRAFT_VOCAB_SIZE = 32000
+# Multimodal rotary keys (xdrope_section is HunYuan-VL's name for mrope_section). On text, M-RoPE's
+# position streams are equal, which is plain RoPE; and vLLM refuses parallel drafting for a drafter
+# whose rope config declares M-RoPE.
+MROPE_KEYS = ("mrope_section", "mrope_interleaved", "xdrope_section")
 
 
 class DrafterSettings(BaseModel):
@@ -34,6 +38,18 @@ class DrafterSettings(BaseModel):
         return {name: getattr(self, name) for name in DrafterSettings.model_fields}
 
 
+def ascending_layer_ids(ids: list[int]) -> list[int]:
+    """Three distinct, non-negative verifier layer ids, sorted: vLLM gathers the verifier's aux hidden
+    states in layer order, so `fc` must be trained on them in that order too. ValueError otherwise."""
+    if len(ids) != 3:
+        raise ValueError("must list exactly 3 layer ids")
+    if any(i < 0 for i in ids):
+        raise ValueError("layer ids must be >= 0")
+    if len(set(ids)) != 3:
+        raise ValueError("layer ids must be distinct")
+    return sorted(ids)
+
+
 def default_layer_ids(num_hidden_layers: int) -> list[int]:
     """EAGLE-3's default auxiliary layers for an L-layer verifier: [2, L//2, L-3], ascending.
 
@@ -50,13 +66,22 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
 
 
 def text_rope_parameters(text_config: Any) -> dict[str, Any]:
-    """The verifier's rotary settings as one dict with `rope_type` and `rope_theta`."""
-    rope = getattr(text_config, "rope_parameters", None)
-    if not rope:
-        rope = dict(getattr(text_config, "rope_scaling", None) or {})
-        rope.setdefault("rope_type", rope.pop("type", "default"))
-        rope.setdefault("rope_theta", getattr(text_config, "rope_theta", 10000.0))
-    return dict(rope)
+    """The verifier's rotary settings as one flat, text-only dict with `rope_type` and `rope_theta`."""
+    rope = dict(
+        getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    )
+    rope.setdefault("rope_type", rope.get("type", "default"))  # `type` is the legacy name
+    rope.setdefault("rope_theta", getattr(text_config, "rope_theta", 10000.0))
+    rope = {k: v for k, v in rope.items() if k not in (*MROPE_KEYS, "type")}
+    if rope["rope_type"] == "mrope":  # older multimodal configs name M-RoPE as a rope type
+        rope["rope_type"] = "default"
+    return rope
+
+
+def multimodal_rope_settings(rope: dict[str, Any]) -> list[str]:
+    """The M-RoPE settings in a rope dict (empty when it is text-only)."""
+    found = [k for k in MROPE_KEYS if k in rope]
+    return found + [f"{k}: mrope" for k in ("rope_type", "type") if rope.get(k) == "mrope"]
 
 
 class PEagleConfig(DrafterSettings):
@@ -91,6 +116,10 @@ class PEagleConfig(DrafterSettings):
             )
         if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
             raise ValueError("rope_parameters needs 'rope_type' and 'rope_theta'")
+        if mrope := multimodal_rope_settings(self.rope_parameters):
+            raise ValueError(f"rope_parameters must be text-only, without M-RoPE settings {mrope}")
+        if self.aux_layer_ids and ascending_layer_ids(self.aux_layer_ids) != self.aux_layer_ids:
+            raise ValueError(f"aux_layer_ids {self.aux_layer_ids} must be ascending (vLLM's layer order)")
         return self
 
     @classmethod

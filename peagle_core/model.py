@@ -114,8 +114,9 @@ class PEagleDraftModel(nn.Module):
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
         self.mask_hidden = nn.Parameter(torch.empty(1, 1, 3 * h))
-        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(v, dtype=torch.bool))
+        # A full draft vocabulary keeps the identity map, which checkpoints leave out (vLLM has no tensor for it).
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=vd != v)
+        self.register_buffer("t2d", torch.zeros(v, dtype=torch.bool), persistent=vd != v)
         self.rotary_emb = LlamaRotaryEmbedding(config.to_llama_config())
         self.attention_backend: Backend = "auto"
         self.reset_parameters()

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from peagle_core.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings
+from peagle_core.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings, ascending_layer_ids
 from peagle_core.errors import PeagleError
 
 _QUEUE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -31,22 +31,15 @@ class VerifierSpec(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     layer_ids: list[int] | None = Field(
         default=None,
-        description="Three verifier layers whose hidden states feed the drafter; default [2, L//2, L-3].",
+        description="Three verifier layers whose hidden states feed the drafter, sorted ascending (the order "
+        "vLLM gathers them in); default [2, L//2, L-3].",
     )
     trust_remote_code: bool = False
 
     @field_validator("layer_ids")
     @classmethod
-    def _three_distinct_layers(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return v
-        if len(v) != 3:
-            raise ValueError("must list exactly 3 layer ids")
-        if any(i < 0 for i in v):
-            raise ValueError("layer ids must be >= 0")
-        if len(set(v)) != 3:
-            raise ValueError("layer ids must be distinct")
-        return v
+    def _three_ascending_layers(cls, v: list[int] | None) -> list[int] | None:
+        return None if v is None else ascending_layer_ids(v)
 
 
 class DatasetSpec(_Strict):

@@ -148,7 +148,8 @@ def config_from_json(cfg: Mapping[str, Any], *, path: str | None = None) -> PEag
 
 
 def expected_tensors(shape: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor the checkpoint holds: name -> (shape, kind), kind in {"float", "int64", "bool"}.
+    """Every tensor the checkpoint holds: name -> (shape, kind), kind in {"float", "int64", "bool"};
+    `d2t`/`t2d` only when the draft vocabulary is smaller than the verifier's.
 
     `shape` maps `PEagleConfig` field names to values (a config's `model_dump()` or `read_config_fields`);
     a missing or malformed one raises KeyError or TypeError.
@@ -164,9 +165,10 @@ def expected_tensors(shape: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...
         "lm_head.weight": ((vd, h), "float"),
         "embed_tokens.weight": ((v, h), "float"),
         "mask_hidden": ((1, 1, 3 * h), "float"),
-        "d2t": ((vd,), "int64"),
-        "t2d": ((v,), "bool"),
     }
+    if vd != v:  # with the full vocabulary the map is the identity, and vLLM has no parameter for it
+        out["d2t"] = ((vd,), "int64")
+        out["t2d"] = ((v,), "bool")
     for i in range(shape["num_layers"]):
         # Layer 0 attends over [embedding; projected hidden] (2H); the rest see the residual stream (H).
         d_in = 2 * h if i == 0 else h

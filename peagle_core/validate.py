@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from peagle_core.config import multimodal_rope_settings
 from peagle_core.speculators import (
     ARCHITECTURE,
     CONFIG_FIELDS,
@@ -51,35 +52,59 @@ def _check_config(cfg: Any) -> list[str]:
         problems.append(
             f"config.json: architectures is {cfg['architectures']!r}, expected [{ARCHITECTURE!r}]"
         )
-    layer = cfg.get("transformer_layer_config")
-    if "transformer_layer_config" in cfg and not isinstance(layer, dict):
-        problems.append("config.json: transformer_layer_config must be an object")
+    layer = cfg.get(LAYER)
+    if LAYER in cfg and not isinstance(layer, dict):
+        problems.append(f"config.json: {LAYER} must be an object")
     elif isinstance(layer, dict):
-        problems += [
-            f"config.json: transformer_layer_config is missing {f!r}"
-            for f in REQUIRED_LAYER_FIELDS
-            if f not in layer
-        ]
-        if layer.get("model_type", "llama") != "llama":
-            problems.append(
-                f"config.json: transformer_layer_config.model_type is {layer['model_type']!r}, expected 'llama'"
-            )
-        for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                  "num_hidden_layers", "vocab_size"):  # fmt: skip
-            if f in layer and not (isinstance(layer[f], int) and layer[f] > 0):
-                problems.append(f"config.json: transformer_layer_config.{f} must be a positive integer")
-        rope = layer.get("rope_parameters")
-        if "rope_parameters" in layer:
-            if not isinstance(rope, dict) or "rope_type" not in rope or "rope_theta" not in rope:
-                problems.append("config.json: transformer_layer_config.rope_parameters must be a flat object "
-                                "with 'rope_type' and 'rope_theta'")  # fmt: skip
-            elif any(isinstance(v, dict) for v in rope.values()):
-                problems.append("config.json: transformer_layer_config.rope_parameters must be flat (text-only), "
-                                "not nested per attention type")  # fmt: skip
+        problems += _check_layer(layer)
+    vocab = layer.get("vocab_size") if isinstance(layer, dict) else None
+    problems += _check_vocab_and_mask(cfg, vocab)
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if "eagle_aux_hidden_state_layer_ids" in cfg and not (
+        isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) and i >= 0 for i in ids)
+    ):
+        problems.append("config.json: eagle_aux_hidden_state_layer_ids must list 3 non-negative layer ids")
+    elif "eagle_aux_hidden_state_layer_ids" in cfg and ids != sorted(set(ids)):
+        problems.append(f"config.json: eagle_aux_hidden_state_layer_ids {ids} must be distinct and ascending: "
+                        "vLLM gathers the verifier's aux hidden states in layer order")  # fmt: skip
+    if "norm_before_residual" in cfg and not isinstance(cfg["norm_before_residual"], bool):
+        problems.append("config.json: norm_before_residual must be true or false")
+    if "speculators_config" in cfg:
+        problems += _check_speculators_config(cfg["speculators_config"])
+    return problems
+
+
+def _check_layer(layer: dict) -> list[str]:
+    where = f"config.json: {LAYER}"
+    problems = [f"{where} is missing {f!r}" for f in REQUIRED_LAYER_FIELDS if f not in layer]
+    if layer.get("model_type", "llama") != "llama":
+        problems.append(f"{where}.model_type is {layer['model_type']!r}, expected 'llama'")
+    for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "num_hidden_layers", "vocab_size"):  # fmt: skip
+        if f in layer and not (isinstance(layer[f], int) and layer[f] > 0):
+            problems.append(f"{where}.{f} must be a positive integer")
+    if "rope_parameters" in layer:
+        problems += _check_rope(layer["rope_parameters"])
+    return problems
+
+
+def _check_rope(rope: Any) -> list[str]:
+    where = f"config.json: {LAYER}.rope_parameters"
+    if not isinstance(rope, dict) or "rope_type" not in rope or "rope_theta" not in rope:
+        return [f"{where} must be a flat object with 'rope_type' and 'rope_theta'"]
+    if any(isinstance(v, dict) for v in rope.values()):
+        return [f"{where} must be flat (text-only), not nested per attention type"]
+    if mrope := multimodal_rope_settings(rope):
+        return [f"{where} has multimodal rotary settings {mrope}: vLLM refuses parallel drafting for an "
+                "M-RoPE drafter, and on text it is plain RoPE"]  # fmt: skip
+    return []
+
+
+def _check_vocab_and_mask(cfg: dict, vocab: Any) -> list[str]:
+    problems = []
     vd = cfg.get("draft_vocab_size")
     if "draft_vocab_size" in cfg and not (isinstance(vd, int) and vd > 0):
         problems.append("config.json: draft_vocab_size must be a positive integer")
-    vocab = layer.get("vocab_size") if isinstance(layer, dict) else None
     if isinstance(vd, int) and isinstance(vocab, int) and vd > vocab:
         problems.append(f"config.json: draft_vocab_size {vd} exceeds the verifier vocab_size {vocab}")
     mask = cfg.get("mask_token_id")
@@ -90,16 +115,6 @@ def _check_config(cfg: Any) -> list[str]:
             problems.append(f"config.json: mask_token_id {mask} is outside the vocabulary [0, {vocab})")
     if "pard_token" in cfg and "mask_token_id" in cfg and cfg["pard_token"] != mask:
         problems.append(f"config.json: pard_token {cfg['pard_token']!r} differs from mask_token_id {mask!r}")
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if "eagle_aux_hidden_state_layer_ids" in cfg and not (
-        isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) and i >= 0 for i in ids)
-    ):
-        problems.append("config.json: eagle_aux_hidden_state_layer_ids must list 3 non-negative layer ids")
-    if "norm_before_residual" in cfg and not isinstance(cfg["norm_before_residual"], bool):
-        problems.append("config.json: norm_before_residual must be true or false")
-    problems += (
-        _check_speculators_config(cfg.get("speculators_config")) if "speculators_config" in cfg else []
-    )
     return problems
 
 
@@ -178,7 +193,7 @@ def _check_tensors(cfg: dict, weights: Path) -> list[str]:
         with safe_open(str(weights), framework="pt") as f:
             names = set(f.keys())
             problems = [f"{WEIGHTS_NAME}: missing tensor {n!r}" for n in sorted(set(expected) - names)]
-            problems += [f"{WEIGHTS_NAME}: unexpected tensor {n!r}" for n in sorted(names - set(expected))]
+            problems += [_unexpected(n, fields) for n in sorted(names - set(expected))]
             float_dtypes = set()
             for name, (shape, kind) in expected.items():
                 if name not in names:
@@ -200,11 +215,18 @@ def _check_tensors(cfg: dict, weights: Path) -> list[str]:
                 mix = sorted(str(d).removeprefix("torch.") for d in float_dtypes)
                 problems.append(f"{WEIGHTS_NAME}: float tensors mix dtypes {mix}; a checkpoint holds one "
                                 "(bf16, or fp32 when export.dtype asks for it)")  # fmt: skip
-            if not problems:
+            if not problems and "d2t" in expected:
                 problems += _check_vocab_map(f.get_tensor("d2t"), f.get_tensor("t2d"), fields)
     except Exception as exc:  # safetensors raises its own error types for truncated/corrupt files
         return [f"{WEIGHTS_NAME}: cannot be read ({exc})"]
     return problems
+
+
+def _unexpected(name: str, fields: Mapping[str, Any]) -> str:
+    if name in ("d2t", "t2d"):
+        return (f"{WEIGHTS_NAME}: tensor {name!r} must not be present: the draft vocabulary is the full "
+                f"vocabulary ({fields['vocab_size']}), for which vLLM has no vocabulary map and refuses one")  # fmt: skip
+    return f"{WEIGHTS_NAME}: unexpected tensor {name!r}"
 
 
 def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, fields: Mapping[str, Any]) -> list[str]:

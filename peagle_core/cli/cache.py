@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from peagle_core.cli.common import RevisionOption, TrustRemoteCodeOption, VerifierOption
+from peagle_core.config import ascending_layer_ids
 from peagle_core.errors import CacheError
 
 app = typer.Typer(no_args_is_help=True, help="Hidden-state cache: build (resumable) and verify.")
@@ -22,9 +23,10 @@ def _parse_layer_ids(text: str | None) -> list[int] | None:
         raise CacheError(
             f"--layer-ids: expected comma-separated integers, got {text!r}", param="--layer-ids"
         ) from None
-    if len(ids) != 3:
-        raise CacheError(f"--layer-ids: expected 3 layer ids, got {len(ids)}", param="--layer-ids")
-    return ids
+    try:
+        return ascending_layer_ids(ids)
+    except ValueError as exc:
+        raise CacheError(f"--layer-ids: {exc}", param="--layer-ids") from None
 
 
 @app.command("build")
@@ -36,7 +38,7 @@ def build(
         str, typer.Option("--dtype", help="Storage dtype: bf16, fp8 (e4m3 + row scale) or fp32.")
     ] = "bf16",
     layer_ids: Annotated[
-        str | None, typer.Option("--layer-ids", help="Three verifier layers, e.g. 2,8,13.")
+        str | None, typer.Option("--layer-ids", help="Three verifier layers, e.g. 2,8,13 (sorted).")
     ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per verifier call.")] = 8,
     shard_mb: Annotated[float, typer.Option("--shard-mb", min=0.0, help="Target shard size in MiB.")] = 128.0,

@@ -73,6 +73,8 @@ def test_file_errors_name_the_line(tmp_path) -> None:
         load_spec(bad)
 
 
-def test_export_defaults_to_bf16() -> None:
-    assert parse_spec(BASE).export.dtype == "bf16"
+def test_layer_ids_resolve_ascending_and_export_defaults_to_bf16() -> None:
+    spec = parse_spec({**BASE, "verifier": {"name_or_path": "v", "layer_ids": [13, 2, 8]}})
+    assert spec.verifier.layer_ids == [2, 8, 13]
+    assert spec.export.dtype == "bf16"
     assert parse_spec({**BASE, "export": {"dtype": "fp32"}}).export.dtype == "fp32"

@@ -229,3 +229,19 @@ def test_lm_head_starts_from_the_verifier_rows_when_asked(
     model = build_model(spec, toy_verifier, dataset, torch.device("cpu"))
     rows = toy_verifier.lm_head_weight[torch.arange(dataset.d2t.numel()) + dataset.d2t].float()
     assert torch.equal(model.lm_head.weight.detach(), rows) is init
+
+
+def test_layer_ids_given_in_any_order_train_in_layer_order(spec_for, prepared_dataset: Path) -> None:
+    from peagle_core.builders import build_model, load_verifier
+    from peagle_core.cache import CacheFingerprint
+    from peagle_core.data import PreparedDataset
+
+    spec = spec_for()
+    spec.verifier.layer_ids = [3, 1, 2]
+    assert spec.verifier.layer_ids == [1, 2, 3]  # resolved once, in the spec
+    verifier = load_verifier(spec, torch.device("cpu"))
+    dataset = PreparedDataset.open(prepared_dataset)
+    model = build_model(spec, verifier, dataset, torch.device("cpu"))
+    # Hidden-state capture, the cache fingerprint and the exported config all see one order.
+    assert verifier.layer_ids == model.config.aux_layer_ids == [1, 2, 3]
+    assert list(CacheFingerprint.of(verifier, dataset).layer_ids) == [1, 2, 3]
