@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -24,7 +25,10 @@ DRAFT_VOCAB, VOCAB = 1024, 4096
 
 
 def _model(num_depths: int, ratio: float, ratio_min: float):
-    from peagle_core.model import PEagleConfig, PEagleDraftModel
+    """The drafter and a random verifier head's teacher."""
+    from peagle_core.config import PEagleConfig
+    from peagle_core.model import PEagleDraftModel
+    from peagle_core.objective import Teacher
 
     cfg = PEagleConfig(
         hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
@@ -32,14 +36,9 @@ def _model(num_depths: int, ratio: float, ratio_min: float):
         num_depths=num_depths, down_sample_ratio=ratio, down_sample_ratio_min=ratio_min, mask_token_id=VOCAB - 1,
     )  # fmt: skip
     model = PEagleDraftModel(cfg)
+    model.set_vocab_map(torch.arange(VOCAB) < DRAFT_VOCAB, torch.zeros(DRAFT_VOCAB, dtype=torch.long))
     norm = torch.nn.RMSNorm(HIDDEN, eps=1e-6)
-    model.load_verifier_head(
-        norm,
-        torch.randn(VOCAB, HIDDEN) * 0.05,
-        torch.arange(VOCAB) < DRAFT_VOCAB,
-        torch.zeros(DRAFT_VOCAB, dtype=torch.long),
-    )
-    return model
+    return model, Teacher.from_verifier(norm, torch.randn(VOCAB, HIDDEN) * 0.05, model.verifier_ids())
 
 
 def _step_flops(model, cod: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> float:
@@ -61,25 +60,26 @@ def _step_flops(model, cod: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> 
 
 
 def child(num_depths: int, ratio: float, ratio_min: float, seq_len: int, peak: float, steps: int) -> None:
-    from peagle_core.cod import sample_cod_indices
+    from peagle_core.objective import distillation_loss, sample_rows
 
     torch.manual_seed(0)
-    model = _model(num_depths, ratio, ratio_min)
+    model, teacher = _model(num_depths, ratio, ratio_min)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    hidden = torch.randn(1, seq_len, 3 * HIDDEN)
-    ids = torch.randint(0, VOCAB - 1, (1, seq_len))
-    last = torch.randn(1, seq_len, HIDDEN)
-    loss_mask = torch.ones(1, seq_len, dtype=torch.long)
-    docs = torch.zeros(1, seq_len, dtype=torch.long)
-    cod = sample_cod_indices(
-        seq_len, loss_mask[0], num_depths, ratio, ratio_min, generator=torch.Generator().manual_seed(0)
+    batch = SimpleNamespace(  # one document filling the row, every position a loss position
+        hidden_states=torch.randn(1, seq_len, 3 * HIDDEN),
+        input_ids=torch.randint(0, VOCAB - 1, (1, seq_len)),
+        verifier_last_hidden_states=torch.randn(1, seq_len, HIDDEN),
+        loss_mask=torch.ones(1, seq_len, dtype=torch.long),
+        document_ids=torch.zeros(1, seq_len, dtype=torch.long),
+        position_ids=torch.arange(seq_len)[None],
     )
+    cod = sample_rows(model.config, batch, torch.Generator().manual_seed(0))
 
     rss_before = rss_mb()
     times, first_step_peak = [], 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = model(hidden, ids, last, loss_mask, docs, cod=cod)
+        out = distillation_loss(model, teacher, batch, cod)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -70,10 +70,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="work directory (default: a temp dir)")
     args = parser.parse_args()
 
+    from peagle_core.builders import build_model
     from peagle_core.data import PreparedDataset
     from peagle_core.evaluate import evaluate, held_out_prompts
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
-    from peagle_core.train import build_model, train
+    from peagle_core.train import train
     from peagle_core.verifier import Verifier
 
     work = args.out or Path(tempfile.mkdtemp(prefix="peagle-quality-"))

@@ -38,13 +38,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=400, help="conversations to cache")
     args = parser.parse_args()
 
+    from peagle_core.builders import build_model, build_optimizer, build_teacher
     from peagle_core.cache import CacheFingerprint, build_cache
     from peagle_core.data import prepare_dataset
     from peagle_core.data.packing import pack_bins
     from peagle_core.hidden_states import BatchLoader, VerifierCompute, make_source
     from peagle_core.spec import parse_spec
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
-    from peagle_core.train import build_model, build_optimizer, forward_backward
+    from peagle_core.train import forward_backward
     from peagle_core.verifier import Verifier
 
     work = Path(tempfile.mkdtemp(prefix="peagle-throughput-"))
@@ -70,6 +71,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = build_model(spec, verifier, dataset, device).train()
+    teacher = build_teacher(verifier, model)
     optimizer = build_optimizer(model, 1e-4, 0.01)
     generator = torch.Generator().manual_seed(0)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
@@ -90,7 +92,7 @@ def main() -> None:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         metrics = forward_backward(
-            model, batch, num_segments=1, generator=generator, scale=1.0, autocast=autocast
+            model, teacher, batch, num_segments=1, generator=generator, scale=1.0, autocast=autocast
         )
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -60,6 +60,15 @@ def parallel_group_mask(
     return parallel_group_mask_mod(anchor_pos, depth, row_doc)(None, None, idx[:, None], idx[None, :])
 
 
+def run_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """For every position, the index where its document's run begins (the last change of document id)."""
+    docs = document_ids.reshape(-1)
+    pos = torch.arange(docs.numel(), device=docs.device)
+    changed = torch.ones_like(docs, dtype=torch.bool)
+    changed[1:] = docs[1:] != docs[:-1]
+    return torch.cummax(torch.where(changed, pos, 0), dim=0).values
+
+
 def flex_block_mask(anchor_pos: torch.Tensor, depth: torch.Tensor, row_doc: torch.Tensor) -> Any:
     """FlexAttention BlockMask for the rule (built on the rows' device; used on CUDA)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -114,13 +123,7 @@ class AttentionLayout:
             raise ValueError("depth-0 rows must cover a contiguous, ascending anchor range")
 
         row_doc = docs[anchor_pos]
-        # Start of each position's document run: the last index where the document id changed.
-        seq_len = docs.numel()
-        pos = torch.arange(seq_len, device=device)
-        changed = torch.ones(seq_len, dtype=torch.bool, device=device)
-        changed[1:] = docs[1:] != docs[:-1]
-        run_start = torch.cummax(torch.where(changed, pos, torch.zeros_like(pos)), dim=0).values
-        key_lo = (run_start[anchor_pos] - prefix_start).clamp_min(0)
+        key_lo = (run_starts(docs)[anchor_pos] - prefix_start).clamp_min(0)
         key_hi = anchor_pos - prefix_start
         key_hi = torch.where(row_doc >= 0, key_hi, key_lo - 1)  # padding queries see nothing
         if bool((key_hi >= num_prefix).any()):

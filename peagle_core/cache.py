@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -38,7 +38,6 @@ LOCK = ".lock"
 DEFAULT_SHARD_BYTES = 128 << 20
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
-CacheDtype = Literal["bf16", "fp8", "fp32"]
 DTYPES: tuple[str, ...] = ("bf16", "fp8", "fp32")
 _STORAGE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 
@@ -136,11 +135,6 @@ class CacheFingerprint:
         if self.dataset != other.dataset:
             out.append(f"other data (cache: {self.dataset[:12]}, requested: {other.dataset[:12]})")
         return out
-
-
-def default_cache_dir(root: str | Path, fingerprint: CacheFingerprint) -> Path:
-    """One cache directory per fingerprint under `root`."""
-    return Path(root) / f"hs-{fingerprint.key[:16]}"
 
 
 # --- codecs --------------------------------------------------------------------------------------
@@ -424,9 +418,6 @@ class HiddenStateCache:
                 shard=e.shard,
             )
         return HiddenRecord(decode_rows(aux, aux_scale), decode_rows(last, last_scale))
-
-    def drop_handles(self) -> None:
-        self._open.clear()
 
     # writing
 

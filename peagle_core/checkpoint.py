@@ -159,3 +159,31 @@ def load_checkpoint(path: str | Path) -> TrainingState:
         position=DataPosition(**meta["position"]),
         metrics=meta.get("metrics", {}),
     )
+
+
+def restore_latest(
+    root: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    cod_generator: torch.Generator,
+    rank: int = 0,
+    world_size: int = 1,
+) -> TrainingState | None:
+    """Load the newest checkpoint under `root` into the training objects: weights, optimizer, schedule and
+    this rank's RNG streams. Returns it (its `position` says where to continue), or None when there is none."""
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return None
+    state = load_checkpoint(latest)
+    rngs = state.rng["ranks"]
+    if len(rngs) != world_size:
+        raise CheckpointError(
+            [f"checkpoint was written by {len(rngs)} ranks, this run has {world_size}"], path=str(latest)
+        )
+    model.load_state_dict(state.weights)
+    optimizer.load_state_dict(state.optimizer)
+    scheduler.load_state_dict(state.scheduler)
+    restore_rng(rngs[rank], cod_generator)
+    return state

@@ -84,6 +84,16 @@ def mean_across_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t / info.world_size
 
 
+def sum_across_ranks(counts: dict[str, int], info: DistInfo, device: torch.device) -> dict[str, int]:
+    """Every rank's integer counters added up, key by key (all ranks must call it with the same keys)."""
+    if not info.enabled:
+        return counts
+    keys = list(counts)
+    t = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=device)
+    total = mean_across_ranks(t, info) * info.world_size
+    return {k: round(v) for k, v in zip(keys, total.tolist(), strict=True)}
+
+
 def all_gather_tensors_state(obj: Any, info: DistInfo) -> list[Any]:
     """Every rank's `obj` (nested containers of tensors and plain values), in rank order.
 

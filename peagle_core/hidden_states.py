@@ -82,6 +82,9 @@ class VerifierCompute:
         ]
 
 
+COUNTERS = ("verifier_calls", "cache_hits", "cache_misses")
+
+
 class HiddenStateSource(ABC):
     """Where hidden states come from. `fetch` is called from one thread at a time (the loader's)."""
 
@@ -106,6 +109,16 @@ class HiddenStateSource(ABC):
 
     def stats(self) -> dict[str, int]:
         return {"verifier_calls": self.verifier_calls}
+
+    def counters(self) -> dict[str, int]:
+        """The running `COUNTERS` under one naming for every mode: a cache miss is a sample the hybrid
+        source computed; offline reads count as hits."""
+        stats = self.stats()
+        return {
+            "verifier_calls": int(stats.get("verifier_calls", 0)),
+            "cache_hits": int(stats.get("cache_hits", stats.get("cache_reads", 0))),
+            "cache_misses": int(stats.get("computed", 0)),
+        }
 
 
 class OfflineSource(HiddenStateSource):

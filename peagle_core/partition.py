@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from peagle_core.cod import sample_cod_indices
+from peagle_core.objective import Teacher, distillation_loss, sample_rows, unwrap
 
 
 def partitioned_backward(
     model: torch.nn.Module,
+    teacher: Teacher,
     batch: Any,
     num_segments: int,
     generator: torch.Generator | None = None,
@@ -23,35 +24,14 @@ def partitioned_backward(
 ) -> dict[str, torch.Tensor]:
     """Forward + backward of one packed batch in `num_segments` segments; gradients accumulate in
     `.grad` (scaled by `scale`). Returns the batch's metrics summed over segments (loss, acc_{d},
-    positions_{d} as for one unpartitioned forward)."""
+    positions_{d} as for one unpartitioned pass)."""
     if num_segments < 1:
         raise ValueError(f"num_segments must be >= 1, got {num_segments}")
-    core = getattr(model, "module", model)  # DDP wraps the drafter
-    cfg = core.config
-    seq_len = batch.input_ids.shape[1]
-    cod = sample_cod_indices(
-        seq_len,
-        batch.loss_mask[0] * (batch.document_ids[0] >= 0),
-        cfg.num_depths,
-        cfg.down_sample_ratio,
-        cfg.down_sample_ratio_min,
-        cfg.max_anchors,
-        generator=generator,
-        document_ids=batch.document_ids[0],
-    )
-    segments = min(num_segments, seq_len)
+    rows = sample_rows(unwrap(model).config, batch, generator)
+    segments = min(num_segments, batch.input_ids.shape[1])
     totals: dict[str, torch.Tensor] = {}
     for s in range(segments):
-        out = model(
-            batch.hidden_states,
-            batch.input_ids,
-            batch.verifier_last_hidden_states,
-            batch.loss_mask,
-            batch.document_ids,
-            position_ids=batch.position_ids,
-            cod=cod,
-            segment=(s, segments) if segments > 1 else None,
-        )
+        out = distillation_loss(model, teacher, batch, rows, segment=(s, segments) if segments > 1 else None)
         (out.loss * scale).backward()
         for key, value in out.metrics.items():
             totals[key] = totals.get(key, 0) + value.detach()

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from peagle_core.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings, ascending_layer_ids
 from peagle_core.errors import PeagleError
 
 _QUEUE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -30,22 +31,15 @@ class VerifierSpec(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     layer_ids: list[int] | None = Field(
         default=None,
-        description="Three verifier layers whose hidden states feed the drafter; default [2, L//2, L-3].",
+        description="Three verifier layers whose hidden states feed the drafter, sorted ascending (the order "
+        "vLLM gathers them in); default [2, L//2, L-3].",
     )
     trust_remote_code: bool = False
 
     @field_validator("layer_ids")
     @classmethod
-    def _three_distinct_layers(cls, v: list[int] | None) -> list[int] | None:
-        if v is None:
-            return v
-        if len(v) != 3:
-            raise ValueError("must list exactly 3 layer ids")
-        if any(i < 0 for i in v):
-            raise ValueError("layer ids must be >= 0")
-        if len(set(v)) != 3:
-            raise ValueError("layer ids must be distinct")
-        return v
+    def _three_ascending_layers(cls, v: list[int] | None) -> list[int] | None:
+        return None if v is None else ascending_layer_ids(v)
 
 
 class DatasetSpec(_Strict):
@@ -78,20 +72,14 @@ class HiddenStatesSpec(_Strict):
     max_cache_bytes: int | None = Field(default=None, ge=0)
 
 
-class ModelSpec(_Strict):
-    """The drafter's shape and COD sampling settings (defaults follow the P-EAGLE parameter table)."""
+class ModelSpec(DrafterSettings, _Strict):
+    """The drafter: depth and COD sampling (`DrafterSettings`), its draft vocabulary and initialisation."""
 
-    num_layers: int = Field(default=4, ge=1, le=64)
-    num_depths: int = Field(default=4, ge=1, le=32)
-    down_sample_ratio: float = Field(default=0.7, gt=0.0, le=1.0)
-    down_sample_ratio_min: float = Field(default=0.2, ge=0.0, le=1.0)
-    max_anchors: int | None = Field(default=None, ge=1)
     draft_vocab_size: int | None = Field(
-        default=32000,
+        default=DEFAULT_DRAFT_VOCAB_SIZE,
         ge=2,
         description="Capped at the verifier's vocabulary; null means the full vocabulary.",
     )
-    norm_before_residual: bool = True
     init_embeddings_from_verifier: bool = True
     init_lm_head_from_verifier: bool = Field(
         default=True,
@@ -145,6 +133,15 @@ class EvaluationSpec(_Strict):
         return v
 
 
+class ExportSpec(_Strict):
+    """The published checkpoint."""
+
+    dtype: Literal["bf16", "fp32"] = Field(
+        default="bf16",
+        description="Weights dtype of the exported checkpoint (speculators checkpoints are bf16).",
+    )
+
+
 class ResourcesSpec(_Strict):
     """What the job runs on."""
 
@@ -162,6 +159,7 @@ class JobSpec(_Strict):
     model: ModelSpec = Field(default_factory=ModelSpec)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
 
     @model_validator(mode="after")
@@ -230,18 +228,3 @@ def load_spec(path: str | Path) -> JobSpec:
         where = f" at line {mark.line + 1}" if mark else ""
         raise SpecError([("", f"{p}: invalid YAML{where}: {getattr(exc, 'problem', exc)}")]) from None
     return parse_spec(data)
-
-
-def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's default auxiliary layers for an L-layer verifier: [2, L//2, L-3].
-
-    Ids index HF `hidden_states` (id i is the input of decoder layer i), the convention vLLM captures.
-    Verifiers too small for three distinct defaults fall back to [0, L//2, L-1].
-    """
-    n = num_hidden_layers
-    if n < 3:
-        raise ValueError(f"the verifier has {n} layers; P-EAGLE needs at least 3")
-    ids = [2, n // 2, n - 3]
-    if len(set(ids)) < 3:
-        ids = [0, n // 2, n - 1]
-    return sorted(ids)

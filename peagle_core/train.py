@@ -1,14 +1,18 @@
 """The P-EAGLE training loop: data → hidden states → drafter → AdamW steps with checkpoints, eval and export.
 
-Reads top to bottom like nanoGPT: `train()` resolves the spec, prepares the data and the hidden-state
-source, builds the drafter from the verifier, then runs the loop. Under torchrun it trains data-parallel.
+`train()` reads like torchtitan's trainer in miniature: `setup` builds everything once (data, hidden-state
+source, drafter, teacher, optimizer, resume point), then each loop iteration calls `train_step`,
+`maybe_evaluate` and `maybe_checkpoint`, and the end exports the drafter. Under torchrun it trains
+data-parallel.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,21 +21,37 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from peagle_core import distributed as dist_utils
+from peagle_core.builders import (
+    build_model,
+    build_optimizer,
+    build_source,
+    build_teacher,
+    count_steps,
+    epoch_bins,
+    eval_prompts,
+    load_verifier,
+    prepare_data,
+)
 from peagle_core.checkpoint import (
     DataPosition,
+    TrainingState,
     capture_rng,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng,
+    restore_latest,
     save_checkpoint,
+    step_dir_name,
 )
-from peagle_core.errors import CheckpointError, DataError
-from peagle_core.evaluate import evaluate, held_out_prompts
-from peagle_core.export import export_checkpoint, validate_checkpoint
+from peagle_core.data import PreparedDataset
+from peagle_core.errors import DataError
+from peagle_core.evaluate import evaluate
+from peagle_core.export import export_checkpoint
+from peagle_core.hidden_states import BatchLoader, HiddenStateSource
 from peagle_core.io import atomic_write_json
+from peagle_core.model import PEagleDraftModel
+from peagle_core.objective import Teacher
 from peagle_core.partition import partitioned_backward
 from peagle_core.schedule import build_scheduler
 from peagle_core.spec import JobSpec
+from peagle_core.verifier import Verifier
 
 MetricsFn = Callable[[dict[str, Any]], None]
 EventFn = Callable[[str, str, dict[str, Any]], None]
@@ -47,157 +67,83 @@ class TrainResult:
     model: Any = field(default=None, repr=False)  # the trained drafter (this rank's copy)
 
 
-# ------------------------------------------------------------------------------------------------ setup
+@dataclass
+class Hooks:
+    """The caller's callbacks: only rank 0 reports metrics and events; a stop request stops every rank."""
+
+    info: dist_utils.DistInfo
+    on_metrics: MetricsFn | None = None
+    on_event: EventFn | None = None
+    should_stop: Callable[[], bool] | None = None
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        if self.on_event is not None and self.info.is_main:
+            self.on_event(kind, message, data)
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        if self.on_metrics is not None and self.info.is_main:
+            self.on_metrics(metrics)
+
+    def stop_requested(self, device: torch.device) -> bool:
+        """A collective: every rank calls it and gets the same answer."""
+        return dist_utils.any_rank(bool(self.should_stop and self.should_stop()), self.info, device)
 
 
-def prepare_data(spec: JobSpec, out_dir: Path, dataset_dir: str | Path | None, info: dist_utils.DistInfo):
-    """The prepared dataset: `dataset_dir` if given, else out_dir/data (reused when its fingerprint matches)."""
-    from peagle_core.data import PreparedDataset
-    from peagle_core.data.prepare import prepare_for_spec
+@dataclass
+class Trainer:
+    """What `setup` builds and the loop reads."""
 
-    if dataset_dir is not None:
-        return PreparedDataset.open(dataset_dir)
-    if spec.dataset.path is None:
-        raise DataError(
-            "dataset.id needs the service to resolve it to a file; give dataset.path", param="dataset"
-        )
-    target = out_dir / "data"
-    if info.is_main:
-        prepare_for_spec(spec, spec.dataset.path, target)
-    dist_utils.barrier(info)
-    return PreparedDataset.open(target)
-
-
-def load_verifier(spec: JobSpec, device: torch.device):
-    from peagle_core.verifier import Verifier
-
-    return Verifier.load(
-        spec.verifier.name_or_path,
-        revision=spec.verifier.revision,
-        dtype=spec.verifier.dtype,
-        device=str(device),
-        layer_ids=spec.verifier.layer_ids,
-        trust_remote_code=spec.verifier.trust_remote_code,
-    )
+    spec: JobSpec
+    out_dir: Path
+    info: dist_utils.DistInfo
+    device: torch.device
+    hooks: Hooks
+    dataset: PreparedDataset
+    train_idx: list[int]
+    verifier: Verifier
+    source: HiddenStateSource
+    model: PEagleDraftModel
+    ddp_model: torch.nn.Module  # the drafter, wrapped in DDP under torchrun
+    teacher: Teacher
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    cod_generator: torch.Generator
+    autocast: Any  # bf16 autocast on CUDA, None on CPU (fp32)
+    total_steps: int
+    prompts: list[torch.Tensor]
+    ckpt_root: Path  # training checkpoints (the export goes to out_dir/export)
 
 
-def build_source(spec: JobSpec, dataset: Any, verifier: Any, cache_root: Path, info: dist_utils.DistInfo):
-    """The hidden-state source of `spec.hidden_states.mode`; an offline job without a cache builds it first."""
-    from peagle_core.cache import MANIFEST, CacheFingerprint, HiddenStateCache, build_cache
-    from peagle_core.hidden_states import VerifierCompute, make_source
+@dataclass
+class Progress:
+    """Where the loop stands: what a checkpoint records and the result reports."""
 
-    fingerprint = CacheFingerprint.of(verifier, dataset)
-    pad = verifier.tokenizer.pad_token_id or 0
-    hs = spec.hidden_states
-    if hs.mode == "offline" and info.is_main:
-        complete = (cache_root / MANIFEST).is_file() and HiddenStateCache.open(
-            cache_root, fingerprint
-        ).is_complete()
-        if not complete:
-            compute = VerifierCompute(dataset, lambda: verifier, pad_token_id=pad)
-            build_cache(cache_root, dataset, compute, fingerprint, dtype=hs.dtype)
-    dist_utils.barrier(info)
-    return make_source(
-        hs.mode,
-        dataset,
-        verifier_factory=lambda: verifier,
-        cache_dir=cache_root,
-        dtype=hs.dtype,
-        max_cache_bytes=hs.max_cache_bytes,
-        fingerprint=fingerprint,
-        pad_token_id=pad,
-    )
+    step: int = 0
+    epoch: int = 0
+    batch_index: int = 0  # the epoch's next micro-batch
+    metrics: dict[str, Any] = field(default_factory=dict)  # the last step's
+    checkpoint: Path | None = None  # the newest training checkpoint
+    evaluation: dict[str, Any] | None = None  # the last evaluation's results
+    stopped: bool = False
 
+    @classmethod
+    def resumed(cls, state: TrainingState | None) -> Progress:
+        """Progress at a restored checkpoint's data position (the start when there is none)."""
+        if state is None:
+            return cls()
+        at = state.position
+        return cls(step=at.step, epoch=at.epoch, batch_index=at.batch_index, checkpoint=state.path)
 
-def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device):
-    """A fresh drafter shaped by the verifier: embeddings (and lm_head) copied from it, its frozen head, the vocab map."""
-    from peagle_core.model import PEagleConfig, PEagleDraftModel
+    def running(self, total_steps: int) -> bool:
+        return not self.stopped and self.step < total_steps
 
-    m = spec.model
-    config = PEagleConfig.from_verifier(
-        verifier.config,
-        num_layers=m.num_layers,
-        num_depths=m.num_depths,
-        down_sample_ratio=m.down_sample_ratio,
-        down_sample_ratio_min=m.down_sample_ratio_min,
-        max_anchors=m.max_anchors,
-        draft_vocab_size=int(dataset.d2t.numel()),
-        mask_token_id=dataset.mask_token_id,
-        aux_layer_ids=list(verifier.layer_ids),
-        norm_before_residual=m.norm_before_residual,
-        verifier_name_or_path=spec.verifier.name_or_path,
-        verifier_architectures=list(getattr(verifier.config, "architectures", None) or []),
-    )
-    model = PEagleDraftModel(config)
-    if m.init_embeddings_from_verifier:
-        model.init_embeddings(verifier.embed_weight.detach().float().cpu())
-    model.load_verifier_head(
-        verifier.final_norm,
-        verifier.lm_head_weight,
-        dataset.t2d,
-        dataset.d2t,
-        init_lm_head=m.init_lm_head_from_verifier,
-    )
-    return model.to(device)
+    def advance(self, n_micro: int) -> None:
+        """One optimizer step over `n_micro` micro-batches is done."""
+        self.step += 1
+        self.batch_index += n_micro
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: norms, biases and `mask_hidden` are not decayed."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim < 2 or "norm" in name or name.endswith("bias") or name == "mask_hidden":
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=False)
-
-
-def epoch_bins(
-    train_indices: list[int], lengths: list[int], spec: JobSpec, epoch: int, info: dist_utils.DistInfo
-):
-    """This rank's packed batches for `epoch`, as lists of dataset indices (equal counts on every rank)."""
-    from peagle_core.data.packing import pack_bins
-
-    tc = spec.training
-    sub_lengths = [lengths[i] for i in train_indices]
-    bins = pack_bins(
-        sub_lengths, tc.total_seq_len, tc.seed, epoch, rank=info.rank, world_size=info.world_size
-    )
-    return [[train_indices[j] for j in b] for b in bins]
-
-
-# ------------------------------------------------------------------------------------------- one step
-
-
-def forward_backward(
-    model: torch.nn.Module,
-    batch: Any,
-    *,
-    num_segments: int,
-    generator: torch.Generator,
-    scale: float,
-    autocast: torch.autocast | None = None,
-) -> dict[str, torch.Tensor]:
-    """Loss + backward for one packed batch (in `num_segments` sequence partitions when > 1).
-
-    Gradients accumulate in `.grad` scaled by `scale`; returns the batch's metrics as tensors (no host sync).
-    """
-    with autocast if autocast is not None else _null():
-        return partitioned_backward(model, batch, num_segments, generator=generator, scale=scale)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-# ------------------------------------------------------------------------------------------ the loop
+# ------------------------------------------------------------------------------------------------ train
 
 
 def train(
@@ -213,62 +159,91 @@ def train(
 ) -> TrainResult:
     """Train a drafter as `spec` says, writing checkpoints and the final export under `out_dir`."""
     info = dist_utils.init_distributed()
+    hooks = Hooks(info, on_metrics=on_metrics, on_event=on_event, should_stop=should_stop)
     try:
-        return _train(
-            spec, Path(out_dir), info, on_metrics, should_stop, resume, dataset_dir, cache_dir, on_event
+        run, progress = setup(
+            spec, Path(out_dir), info, hooks, resume=resume, dataset_dir=dataset_dir, cache_dir=cache_dir
         )
+        return _train(run, progress)
     finally:
         dist_utils.shutdown()
 
 
-def _train(
+def _train(run: Trainer, progress: Progress) -> TrainResult:
+    """The loop: optimizer steps with evaluation and checkpoints until done or stopped, then the export."""
+    spec, tc, hooks = run.spec, run.spec.training, run.hooks
+    hooks.event("train", "training", total_steps=run.total_steps, world_size=run.info.world_size)
+    run.model.train()
+    counters = run_start = run.source.counters()
+    started, first_step = time.monotonic(), progress.step
+    while progress.running(run.total_steps) and progress.epoch < tc.epochs:
+        bins = epoch_bins(run.train_idx, list(run.dataset.lengths), spec, progress.epoch, run.info)
+        loader = BatchLoader(
+            run.dataset, run.source, bins, total_seq_len=tc.total_seq_len, start=progress.batch_index
+        )
+        with contextlib.closing(iter(loader)) as batches:
+            while progress.running(run.total_steps) and progress.batch_index < len(bins):
+                n_micro = min(tc.grad_accum, len(bins) - progress.batch_index)
+                metrics = train_step(run, batches, n_micro)
+                progress.advance(n_micro)
+                per_step = (time.monotonic() - started) / (progress.step - first_step)
+                eta_s = per_step * (run.total_steps - progress.step)
+                progress.metrics = {**metrics, "step": progress.step, "total_steps": run.total_steps,
+                                    "epoch": progress.epoch, "eta_s": eta_s}  # fmt: skip
+                hooks.report(progress.metrics)
+                progress.stopped = hooks.stop_requested(run.device)
+                evaluation = maybe_evaluate(run, progress)
+                maybe_checkpoint(run, progress, evaluation, epoch_len=len(bins))
+        # Closing the loader joined its thread, so the source's counters are final for this epoch.
+        if not progress.stopped:
+            counters = end_epoch(run, progress, epoch_len=len(bins), counters=counters)
+    run.source.close()  # a hybrid run that ended mid-epoch still keeps what it computed
+    totals = dist_utils.sum_across_ranks(_delta(run.source.counters(), run_start), run.info, run.device)
+
+    if progress.stopped:
+        hooks.event("train", f"stopped at step {progress.step}", step=progress.step)
+        export_dir, final = None, {**progress.metrics, **totals}
+    else:
+        export_dir = export(run, progress)
+        final = {**progress.metrics, **_eval_summary(progress.evaluation), **totals}
+    status: Literal["completed", "stopped"] = "stopped" if progress.stopped else "completed"
+    return TrainResult(status, progress.step, progress.checkpoint, export_dir, final, run.model)
+
+
+# ------------------------------------------------------------------------------------------------ setup
+
+
+def setup(
     spec: JobSpec,
     out_dir: Path,
     info: dist_utils.DistInfo,
-    on_metrics: MetricsFn | None,
-    should_stop: Callable[[], bool] | None,
+    hooks: Hooks,
+    *,
     resume: bool,
     dataset_dir: str | Path | None,
     cache_dir: str | Path | None,
-    on_event: EventFn | None,
-) -> TrainResult:
-    from peagle_core.hidden_states import BatchLoader
-
+) -> tuple[Trainer, Progress]:
+    """Data, hidden states, drafter, teacher, optimizer and schedule; restored from the newest checkpoint
+    under `out_dir` when `resume` finds one."""
     tc = spec.training
     device = dist_utils.device_for(info)
-
-    def event(kind: str, message: str, **data: Any) -> None:
-        if on_event is not None and info.is_main:
-            on_event(kind, message, data)
-
-    def report(metrics: dict[str, Any]) -> None:
-        if on_metrics is not None and info.is_main:
-            on_metrics(metrics)
-
-    # --- data and hidden states
-    event("prepare", "preparing the dataset")
+    hooks.event("prepare", "preparing the dataset")
     dataset = prepare_data(spec, out_dir, dataset_dir, info)
     train_idx, val_idx = dataset.split(spec.dataset.val_fraction, tc.seed)
     if not train_idx:
         raise DataError("no training samples left after the validation split", param="dataset.val_fraction")
-    event("prepare", "dataset ready", samples=len(dataset), train=len(train_idx), val=len(val_idx))
+    hooks.event("prepare", "dataset ready", samples=len(dataset), train=len(train_idx), val=len(val_idx))
 
     verifier = load_verifier(spec, device)
     cache_root = Path(cache_dir or spec.hidden_states.cache_uri or out_dir / "cache")
-    event("hidden_states", f"hidden states: {spec.hidden_states.mode}", cache_dir=str(cache_root))
+    hooks.event("hidden_states", f"hidden states: {spec.hidden_states.mode}", cache_dir=str(cache_root))
     source = build_source(spec, dataset, verifier, cache_root, info)
 
-    # --- model, optimizer, schedule
     torch.manual_seed(tc.seed)
     model = build_model(spec, verifier, dataset, device)
+    teacher = build_teacher(verifier, model)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay)
-    lengths = list(dataset.lengths)
-    micro_per_epoch = [len(epoch_bins(train_idx, lengths, spec, e, info)) for e in range(tc.epochs)]
-    total_steps = sum(math.ceil(n / tc.grad_accum) for n in micro_per_epoch)
-    if tc.max_steps is not None:
-        total_steps = min(total_steps, tc.max_steps)
-    if total_steps == 0:
-        raise DataError("the dataset packs into no training batches", param="dataset")
+    total_steps = count_steps(spec, train_idx, list(dataset.lengths), info)
     scheduler = build_scheduler(
         optimizer,
         warmup_steps=math.ceil(tc.warmup_ratio * total_steps),
@@ -276,223 +251,217 @@ def _train(
         min_lr_ratio=tc.min_lr_ratio,
     )
     cod_generator = torch.Generator().manual_seed(tc.seed * 1_000_003 + info.rank)
-
-    # --- resume
     ckpt_root = out_dir / "checkpoints"
-    position = DataPosition(step=0, epoch=0, batch_index=0)
-    latest = latest_checkpoint(ckpt_root) if resume else None
-    if latest is not None:
-        state = load_checkpoint(latest)
-        model.load_state_dict(state.weights)
-        optimizer.load_state_dict(state.optimizer)
-        scheduler.load_state_dict(state.scheduler)
-        rngs = state.rng["ranks"]
-        if len(rngs) != info.world_size:
-            raise CheckpointError(
-                [f"checkpoint was written by {len(rngs)} ranks, this run has {info.world_size}"],
-                path=str(latest),
-            )
-        restore_rng(rngs[info.rank], cod_generator)
-        position = state.position
-        event("train", f"resumed from {latest.name}", step=position.step)
-
-    ddp_model = DistributedDataParallel(model) if info.enabled else model
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    eval_ks = spec.speculative_tokens
-    prompts = _eval_prompts(spec, dataset, val_idx, verifier)
-
-    def run_eval(step: int) -> dict[str, Any]:
-        if not info.is_main or not prompts:
-            return {}
-        event("eval", f"evaluating at step {step}", prompts=len(prompts))
-        results = {}
-        for k in eval_ks:
-            r = evaluate(
-                model, verifier, prompts, k, spec.evaluation.max_new_tokens, verifier.tokenizer.eos_token_id
-            )
-            results[f"k={k}"] = r.to_dict()
-            report({"step": step, f"eval/acceptance_length@{k}": r.acceptance_length})
-        return {"step": step, "results": results}
-
-    def checkpoint(step: int, epoch: int, batch_index: int, metrics: dict, eval_result: dict | None) -> Path:
-        rngs = dist_utils.all_gather_tensors_state(capture_rng(cod_generator), info)
-        path = None
-        if info.is_main:
-            path = save_checkpoint(
-                ckpt_root,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                position=DataPosition(step=step, epoch=epoch, batch_index=batch_index),
-                rng={"ranks": rngs},
-                metrics=metrics,
-                extra_json={"eval.json": eval_result} if eval_result else None,
-            )
-        dist_utils.barrier(info)
-        return path or ckpt_root / f"step_{step:08d}"
-
-    # --- the loop
-    event("train", "training", total_steps=total_steps, world_size=info.world_size)
-    model.train()
-    step, status = position.step, "completed"
-    last_metrics: dict[str, Any] = {}
-    last_ckpt: Path | None = latest
-    last_eval: dict[str, Any] | None = None
-    t_start, tokens_seen = time.monotonic(), 0
-    epoch = position.epoch
-    run_start = counters = source_counters(source)
-    while step < total_steps and epoch < tc.epochs:
-        bins = epoch_bins(train_idx, lengths, spec, epoch, info)
-        first = position.batch_index if epoch == position.epoch else 0
-        loader = BatchLoader(dataset, source, bins, total_seq_len=tc.total_seq_len, start=first)
-        micro, sums, step_tokens, t_step = 0, {}, 0, time.monotonic()
-        batch_index = first
-        for batch in loader:
-            batch = batch.to(device)
-            batch_index += 1
-            micro += 1
-            last_micro = micro == tc.grad_accum or batch_index == len(bins)
-            # Only the last micro-batch of a step all-reduces gradients.
-            sync = ddp_model.no_sync() if info.enabled and not last_micro else _null()
-            with sync:
-                batch_metrics = forward_backward(
-                    ddp_model,
-                    batch,
-                    num_segments=tc.num_segments,
-                    generator=cod_generator,
-                    scale=1.0 / tc.grad_accum,
-                    autocast=autocast,
-                )
-            for k, v in batch_metrics.items():
-                sums[k] = sums.get(k, 0) + v
-            step_tokens += int(batch.num_tokens)
-            if not last_micro:
-                continue
-
-            # --- optimizer step
-            if micro < tc.grad_accum:  # a short final accumulation: rescale to a mean over what we saw
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(tc.grad_accum / micro)
-            if tc.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            step += 1
-
-            metrics = _step_metrics(sums, micro, info, device)
-            tokens_seen += step_tokens * info.world_size
-            elapsed = time.monotonic() - t_step
-            done = step - position.step
-            metrics.update(
-                step=step,
-                total_steps=total_steps,
-                epoch=epoch,
-                lr=lr,
-                tokens_per_s=step_tokens * info.world_size / max(elapsed, 1e-9),
-                eta_s=(time.monotonic() - t_start) / done * (total_steps - step),
-            )
-            report(metrics)
-            last_metrics = metrics
-            micro, sums, step_tokens, t_step = 0, {}, 0, time.monotonic()
-
-            stop = dist_utils.any_rank(bool(should_stop and should_stop()), info, device)
-            finished = step >= total_steps
-            eval_now = (tc.eval_every_steps and step % tc.eval_every_steps == 0) or finished
-            eval_result = run_eval(step) if eval_now else None
-            if eval_result:
-                last_eval = eval_result
-            if stop or finished or step % tc.checkpoint_every_steps == 0:
-                at_end = batch_index == len(bins)
-                last_ckpt = checkpoint(
-                    step, epoch + 1 if at_end else epoch, 0 if at_end else batch_index, metrics, eval_result
-                )
-            if stop:
-                status = "stopped"
-                break
-            if finished:
-                break
-        if status == "stopped":
-            break
-        # The loader has been joined by now (the `for` dropped it), so the counters are final.
-        now = source_counters(source)
-        epoch_stats = sum_across_ranks(counters_delta(now, counters), info, device)
-        counters = now
-        event(
-            "epoch",
-            f"epoch {epoch} done: {epoch_stats['verifier_calls']} verifier calls, "
-            f"{epoch_stats['cache_hits']} cache hits",
-            epoch=epoch,
-            complete=batch_index == len(bins),
-            step=step,
-            **epoch_stats,
+    restored = None
+    if resume:
+        restored = restore_latest(
+            ckpt_root,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            cod_generator=cod_generator,
+            rank=info.rank,
+            world_size=info.world_size,
         )
-        if step >= total_steps:
-            break
-        epoch += 1
-    source.close()  # a hybrid run that ended mid-epoch still keeps what it computed
-    totals = sum_across_ranks(counters_delta(source_counters(source), run_start), info, device)
+        if restored is not None:
+            hooks.event("train", f"resumed from {restored.path.name}", step=restored.position.step)
 
-    if status == "stopped":
-        event("train", f"stopped at step {step}", step=step)
-        return TrainResult("stopped", step, last_ckpt, None, {**last_metrics, **totals}, model)
-
-    # --- final export
-    export_dir = None
-    if last_eval is None:  # resumed from the final checkpoint: its evaluation is not in memory
-        last_eval = run_eval(step)
-    if info.is_main:
-        event("export", "exporting the drafter", step=step)
-        export_dir = out_dir / "export" / f"step_{step}"
-        summary = {**_eval_summary(last_eval), "train/loss": last_metrics.get("loss")}
-        export_checkpoint(
-            model,
-            export_dir,
-            verifier_name_or_path=spec.verifier.name_or_path,
-            data_fingerprint=dataset.fingerprint,
-            metrics={k: v for k, v in summary.items() if v is not None},
-            speculative_tokens=max(eval_ks),
-        )
-        problems = validate_checkpoint(export_dir, verifier.config)
-        if problems:
-            raise CheckpointError(problems, path=str(export_dir))
-        atomic_write_json(export_dir / "eval.json", last_eval or {})
-    dist_utils.barrier(info)
-    final = {**last_metrics, **_eval_summary(last_eval), **totals}
-    return TrainResult("completed", step, last_ckpt, export_dir, final, model)
+    run = Trainer(
+        spec=spec,
+        out_dir=out_dir,
+        info=info,
+        device=device,
+        hooks=hooks,
+        dataset=dataset,
+        train_idx=train_idx,
+        verifier=verifier,
+        source=source,
+        model=model,
+        ddp_model=DistributedDataParallel(model) if info.enabled else model,
+        teacher=teacher,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        cod_generator=cod_generator,
+        autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
+        total_steps=total_steps,
+        prompts=eval_prompts(spec, dataset, val_idx, verifier),
+        ckpt_root=ckpt_root,
+    )
+    return run, Progress.resumed(restored)
 
 
-COUNTERS = ("verifier_calls", "cache_hits", "cache_misses")
+# ------------------------------------------------------------------------------------------- one step
 
 
-def source_counters(source: Any) -> dict[str, int]:
-    """The hidden-state source's running counters under one naming for every mode.
+def forward_backward(
+    model: torch.nn.Module,
+    teacher: Teacher,
+    batch: Any,
+    *,
+    num_segments: int,
+    generator: torch.Generator,
+    scale: float,
+    autocast: torch.autocast | None = None,
+) -> dict[str, torch.Tensor]:
+    """Loss + backward for one packed batch (in `num_segments` sequence partitions when > 1).
 
-    A cache miss is a sample the hybrid source computed; offline reads count as hits.
+    Gradients accumulate in `.grad` scaled by `scale`; returns the batch's metrics as tensors (no host sync).
     """
-    stats = source.stats()
-    return {
-        "verifier_calls": int(stats.get("verifier_calls", 0)),
-        "cache_hits": int(stats.get("cache_hits", stats.get("cache_reads", 0))),
-        "cache_misses": int(stats.get("computed", 0)),
-    }
+    with autocast if autocast is not None else contextlib.nullcontext():
+        return partitioned_backward(model, teacher, batch, num_segments, generator=generator, scale=scale)
 
 
-def counters_delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: now[k] - before[k] for k in COUNTERS}
+def train_step(run: Trainer, batches: Iterator[Any], n_micro: int) -> dict[str, Any]:
+    """One optimizer step over the next `n_micro` micro-batches of `batches` (gradient accumulation).
+
+    Returns the step's metrics, averaged over micro-batches and ranks: loss, acc_{d}, positions_{d},
+    lr (the rate this step used) and tokens_per_s.
+    """
+    tc = run.spec.training
+    started = time.monotonic()
+    sums: dict[str, torch.Tensor] = {}
+    tokens = micro = 0
+    for micro, batch in enumerate(itertools.islice(batches, n_micro), start=1):
+        # Only the last micro-batch of a step all-reduces gradients.
+        last = micro == n_micro
+        sync = run.ddp_model.no_sync() if run.info.enabled and not last else contextlib.nullcontext()
+        with sync:
+            metrics = forward_backward(
+                run.ddp_model,
+                run.teacher,
+                batch.to(run.device),
+                num_segments=tc.num_segments,
+                generator=run.cod_generator,
+                scale=1.0 / tc.grad_accum,
+                autocast=run.autocast,
+            )
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0) + v
+        tokens += int(batch.num_tokens)
+
+    if micro < tc.grad_accum:  # a short final accumulation: rescale to a mean over what we saw
+        for p in run.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(tc.grad_accum / micro)
+    if tc.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+
+    metrics = _step_metrics(sums, micro, run.info, run.device)
+    elapsed = time.monotonic() - started
+    return {**metrics, "lr": lr, "tokens_per_s": tokens * run.info.world_size / max(elapsed, 1e-9)}
 
 
-def sum_across_ranks(
-    counts: dict[str, int], info: dist_utils.DistInfo, device: torch.device
+# -------------------------------------------------------------------------------- evaluation and checkpoints
+
+
+def maybe_evaluate(run: Trainer, progress: Progress) -> dict[str, Any] | None:
+    """Evaluate every `eval_every_steps` and at the last step; returns this step's results (else None)."""
+    every = run.spec.training.eval_every_steps
+    due = (every is not None and progress.step % every == 0) or progress.step >= run.total_steps
+    if not due:
+        return None
+    result = evaluate_drafter(run, progress.step)
+    if result:
+        progress.evaluation = result
+    return result
+
+
+def evaluate_drafter(run: Trainer, step: int) -> dict[str, Any]:
+    """Acceptance length at every evaluated K on the held-out prompts (rank 0; {} elsewhere)."""
+    if not run.info.is_main or not run.prompts:
+        return {}
+    run.hooks.event("eval", f"evaluating at step {step}", prompts=len(run.prompts))
+    results = {}
+    eos = run.verifier.tokenizer.eos_token_id
+    for k in run.spec.speculative_tokens:
+        r = evaluate(run.model, run.verifier, run.prompts, k, run.spec.evaluation.max_new_tokens, eos)
+        results[f"k={k}"] = r.to_dict()
+        run.hooks.report({"step": step, f"eval/acceptance_length@{k}": r.acceptance_length})
+    return {"step": step, "results": results}
+
+
+def maybe_checkpoint(
+    run: Trainer, progress: Progress, evaluation: dict[str, Any] | None, *, epoch_len: int
+) -> None:
+    """Save a training checkpoint every `checkpoint_every_steps`, at the last step and when stopping.
+
+    Every rank's RNG state goes in, so a resumed run continues bit for bit; the data position points at
+    the next micro-batch (the next epoch's first when this one is done).
+    """
+    step = progress.step
+    if not (
+        progress.stopped or step >= run.total_steps or step % run.spec.training.checkpoint_every_steps == 0
+    ):
+        return
+    at_end = progress.batch_index == epoch_len
+    position = DataPosition(
+        step=step,
+        epoch=progress.epoch + 1 if at_end else progress.epoch,
+        batch_index=0 if at_end else progress.batch_index,
+    )
+    rngs = dist_utils.all_gather_tensors_state(capture_rng(run.cod_generator), run.info)
+    if run.info.is_main:
+        save_checkpoint(
+            run.ckpt_root,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            position=position,
+            rng={"ranks": rngs},
+            metrics=progress.metrics,
+            extra_json={"eval.json": evaluation} if evaluation else None,
+        )
+    dist_utils.barrier(run.info)
+    progress.checkpoint = run.ckpt_root / step_dir_name(step)
+
+
+def end_epoch(
+    run: Trainer, progress: Progress, *, epoch_len: int, counters: dict[str, int]
 ) -> dict[str, int]:
-    """Every rank's counters added up (each rank has its own source); a collective, so all ranks call it."""
-    if not info.enabled:
-        return counts
-    t = torch.tensor([float(counts[k]) for k in COUNTERS], dtype=torch.float64, device=device)
-    total = dist_utils.mean_across_ranks(t, info) * info.world_size
-    return {k: round(v) for k, v in zip(COUNTERS, total.tolist(), strict=True)}
+    """Report the epoch's hidden-state counters (summed over ranks) and move to the next epoch when this
+    one is complete. `counters` are the source's at the epoch's start; returns the current ones."""
+    now = run.source.counters()
+    stats = dist_utils.sum_across_ranks(_delta(now, counters), run.info, run.device)
+    complete = progress.batch_index == epoch_len
+    run.hooks.event(
+        "epoch",
+        f"epoch {progress.epoch} done: {stats['verifier_calls']} verifier calls, {stats['cache_hits']} cache hits",
+        epoch=progress.epoch,
+        complete=complete,
+        step=progress.step,
+        **stats,
+    )
+    if complete:
+        progress.epoch, progress.batch_index = progress.epoch + 1, 0
+    return now
+
+
+def export(run: Trainer, progress: Progress) -> Path | None:
+    """Rank 0 writes the validated export to out_dir/export/step_N with eval.json beside it."""
+    if progress.evaluation is None:  # resumed from the final checkpoint: its evaluation is not in memory
+        progress.evaluation = evaluate_drafter(run, progress.step)
+    export_dir = None
+    if run.info.is_main:
+        run.hooks.event("export", "exporting the drafter", step=progress.step)
+        export_dir = run.out_dir / "export" / f"step_{progress.step}"
+        summary = {**_eval_summary(progress.evaluation), "train/loss": progress.metrics.get("loss")}
+        export_checkpoint(
+            run.model,
+            export_dir,
+            verifier_name_or_path=run.spec.verifier.name_or_path,
+            verifier_config=run.verifier.config,
+            data_fingerprint=run.dataset.fingerprint,
+            metrics={k: v for k, v in summary.items() if v is not None},
+            speculative_tokens=max(run.spec.speculative_tokens),
+            dtype=run.spec.export.dtype,
+        )
+        atomic_write_json(export_dir / "eval.json", progress.evaluation or {})
+    dist_utils.barrier(run.info)
+    return export_dir
 
 
 def _step_metrics(
@@ -515,17 +484,5 @@ def _eval_summary(eval_result: dict[str, Any] | None) -> dict[str, float]:
     }
 
 
-def _eval_prompts(spec: JobSpec, dataset: Any, val_idx: list[int], verifier: Any) -> list[torch.Tensor]:
-    """Held-out prompts: the validation split's (count given), or the spec's own prompt strings."""
-    prompts = spec.evaluation.prompts
-    if isinstance(prompts, int):
-        return held_out_prompts(dataset, val_idx, limit=prompts)
-    tok = verifier.tokenizer
-    out = []
-    for text in prompts:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        out.append(torch.tensor(ids, dtype=torch.long))
-    return out
+def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: now[k] - before[k] for k in now}

@@ -13,8 +13,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from peagle_core.config import ascending_layer_ids, default_layer_ids
 from peagle_core.errors import VerifierError
-from peagle_core.spec import default_layer_ids
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +35,26 @@ def _find_attr(module: Any, names: tuple[str, ...], what: str) -> Any:
     raise VerifierError(f"cannot find the verifier's {what} (looked for {', '.join(names)})")
 
 
+def _aux_layer_ids(layer_ids: list[int] | None, num_layers: int) -> list[int]:
+    """The layers to capture, ascending: EAGLE-3's defaults, or the given three (in range) sorted."""
+    if layer_ids is None:
+        try:
+            return default_layer_ids(num_layers)
+        except ValueError as exc:
+            raise VerifierError(str(exc), code="verifier_unsupported") from exc
+    try:
+        ids = ascending_layer_ids(list(layer_ids))
+    except ValueError as exc:
+        ids, reason = list(layer_ids), str(exc)
+    else:
+        reason = f"must be 3 ids in [0, {num_layers - 1}]" if ids[-1] >= num_layers else None
+    if reason is not None:
+        raise VerifierError(
+            f"layer_ids {ids}: {reason}", code="verifier_unsupported", param="verifier.layer_ids"
+        )
+    return ids
+
+
 class Verifier:
     """A loaded verifier model (eval mode, no grad) plus its tokenizer; see docs/interfaces.md."""
 
@@ -47,17 +67,7 @@ class Verifier:
         self.hidden_size: int = text_config.hidden_size
         self.vocab_size: int = text_config.vocab_size
         self.num_layers: int = text_config.num_hidden_layers
-        try:
-            self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
-        except ValueError as exc:
-            raise VerifierError(str(exc), code="verifier_unsupported") from exc
-        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
-        if len(self.layer_ids) != 3 or bad:
-            raise VerifierError(
-                f"layer_ids {self.layer_ids} must be 3 ids in [0, {self.num_layers - 1}]",
-                code="verifier_unsupported",
-                param="verifier.layer_ids",
-            )
+        self.layer_ids = _aux_layer_ids(layer_ids, self.num_layers)
         self.calls = 0
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.final_norm = _find_attr(decoder, ("norm", "final_layernorm", "ln_f"), "final norm")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from peagle_core.cli.common import RevisionOption, TrustRemoteCodeOption, VerifierOption
+from peagle_core.config import ascending_layer_ids
 from peagle_core.errors import CacheError
 
 app = typer.Typer(no_args_is_help=True, help="Hidden-state cache: build (resumable) and verify.")
@@ -20,24 +23,33 @@ def _parse_layer_ids(text: str | None) -> list[int] | None:
         raise CacheError(
             f"--layer-ids: expected comma-separated integers, got {text!r}", param="--layer-ids"
         ) from None
-    if len(ids) != 3:
-        raise CacheError(f"--layer-ids: expected 3 layer ids, got {len(ids)}", param="--layer-ids")
-    return ids
+    try:
+        return ascending_layer_ids(ids)
+    except ValueError as exc:
+        raise CacheError(f"--layer-ids: {exc}", param="--layer-ids") from None
 
 
 @app.command("build")
 def build(
-    verifier: str = typer.Option(..., "--verifier", help="Verifier: local HF directory or hub id."),
-    data: Path = typer.Option(..., "--data", help="Prepared dataset directory (`peagle data prepare`)."),
-    out: Path = typer.Option(..., "--out", help="Cache directory (created, or resumed if it exists)."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Storage dtype: bf16, fp8 (e4m3 + row scale) or fp32."),
-    layer_ids: str | None = typer.Option(None, "--layer-ids", help="Three verifier layers, e.g. 2,8,13."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Samples per verifier call."),
-    shard_mb: float = typer.Option(128.0, "--shard-mb", min=0.0, help="Target shard size in MiB."),
-    revision: str | None = typer.Option(None, "--revision", help="Hub revision of the verifier."),
-    device: str | None = typer.Option(None, "--device", help="cuda / cpu (default: cuda if available)."),
-    verifier_dtype: str = typer.Option("auto", "--verifier-dtype", help="auto, float32, bfloat16, float16."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    verifier: VerifierOption,
+    data: Annotated[Path, typer.Option("--data", help="Prepared dataset directory (`peagle data prepare`).")],
+    out: Annotated[Path, typer.Option("--out", help="Cache directory (created, or resumed if it exists).")],
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="Storage dtype: bf16, fp8 (e4m3 + row scale) or fp32.")
+    ] = "bf16",
+    layer_ids: Annotated[
+        str | None, typer.Option("--layer-ids", help="Three verifier layers, e.g. 2,8,13 (sorted).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Samples per verifier call.")] = 8,
+    shard_mb: Annotated[float, typer.Option("--shard-mb", min=0.0, help="Target shard size in MiB.")] = 128.0,
+    revision: RevisionOption = None,
+    device: Annotated[
+        str | None, typer.Option("--device", help="cuda / cpu (default: cuda if available).")
+    ] = None,
+    verifier_dtype: Annotated[
+        str, typer.Option("--verifier-dtype", help="auto, float32, bfloat16, float16.")
+    ] = "auto",
+    trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
     """Run the verifier over every sample of PREPARED and store its hidden states in OUT."""
     from peagle_core.cache import DTYPES, CacheFingerprint, build_cache, human_bytes
@@ -77,12 +89,13 @@ def build(
 
 @app.command("verify")
 def verify(
-    cache_dir: Path = typer.Argument(..., help="Cache directory."),
-    data: Path | None = typer.Option(
-        None,
-        "--data",
-        help="Prepared dataset to compare token ids with (default: the one it was built from).",
-    ),
+    cache_dir: Annotated[Path, typer.Argument(help="Cache directory.")],
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data", help="Prepared dataset to compare token ids with (default: the one it was built from)."
+        ),
+    ] = None,
 ) -> None:
     """Check checksums, tensor shapes, token ids and finite values; exit 1 naming each bad shard."""
     from peagle_core.cache import CacheCorruptError, HiddenStateCache, verify_cache

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
 from peagle_core.errors import PeagleError
+
+# Options several commands share, declared once.
+VerifierOption = Annotated[str, typer.Option("--verifier", help="Verifier: local HF directory or hub id.")]
+RevisionOption = Annotated[str | None, typer.Option("--revision", help="Hub revision of the verifier.")]
+TrustRemoteCodeOption = Annotated[bool, typer.Option("--trust-remote-code")]
 
 
 def fail(message: str, code: int = 1) -> None:

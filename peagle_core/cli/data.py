@@ -4,25 +4,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
+
+from peagle_core.cli.common import RevisionOption, TrustRemoteCodeOption, VerifierOption
 
 app = typer.Typer(no_args_is_help=True, help="Training data: validate and prepare JSONL datasets.")
 
 
 @app.command("prepare")
 def prepare(
-    verifier: str = typer.Option(..., "--verifier", help="Verifier: local HF directory or hub id."),
-    data: Path = typer.Option(..., "--data", help="JSONL dataset (messages, ShareGPT or tokenized)."),
-    out: Path = typer.Option(..., "--out", help="Prepared dataset directory to write."),
-    seq_len: int = typer.Option(2048, "--seq-len", min=3, help="Truncate samples to this many tokens."),
-    fmt: str = typer.Option("auto", "--format", help="auto, messages, sharegpt or tokenized."),
-    max_samples: int | None = typer.Option(None, "--max-samples", min=1),
-    draft_vocab_size: int | None = typer.Option(
-        None, "--draft-vocab-size", min=1, help="Draft vocabulary size (default: the full vocabulary)."
-    ),
-    revision: str | None = typer.Option(None, "--revision", help="Hub revision of the verifier."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    verifier: VerifierOption,
+    data: Annotated[Path, typer.Option("--data", help="JSONL dataset (messages, ShareGPT or tokenized).")],
+    out: Annotated[Path, typer.Option("--out", help="Prepared dataset directory to write.")],
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", min=3, help="Truncate samples to this many tokens.")
+    ] = 2048,
+    fmt: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt or tokenized.")] = "auto",
+    max_samples: Annotated[int | None, typer.Option("--max-samples", min=1)] = None,
+    draft_vocab_size: Annotated[
+        int | None,
+        typer.Option(
+            "--draft-vocab-size", min=1, help="Draft vocabulary size (default: the full vocabulary)."
+        ),
+    ] = None,
+    revision: RevisionOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
     """Apply the verifier's chat template, mask assistant tokens, truncate, build the draft vocabulary."""
     from peagle_core.data import prepare_dataset
@@ -44,8 +52,8 @@ def prepare(
 
 @app.command("validate")
 def validate(
-    data: Path = typer.Argument(..., help="JSONL dataset to check."),
-    fmt: str = typer.Option("auto", "--format", help="auto, messages, sharegpt or tokenized."),
+    data: Annotated[Path, typer.Argument(help="JSONL dataset to check.")],
+    fmt: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt or tokenized.")] = "auto",
 ) -> None:
     """Check a JSONL dataset's structure (no tokenizer); exits non-zero naming the first bad line."""
     from peagle_core.data.formats import validate_jsonl

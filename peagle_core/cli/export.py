@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -11,10 +12,11 @@ app = typer.Typer(no_args_is_help=True, help="Validate exported drafter checkpoi
 
 @app.command("validate")
 def validate(
-    directory: Path = typer.Argument(..., help="checkpoint directory (config.json + model.safetensors)"),
-    verifier: str | None = typer.Option(
-        None, "--verifier", help="verifier path or hub id whose config the drafter must match"
-    ),
+    directory: Annotated[Path, typer.Argument(help="checkpoint directory (config.json + model.safetensors)")],
+    verifier: Annotated[
+        str | None,
+        typer.Option("--verifier", help="verifier path or hub id whose config the drafter must match"),
+    ] = None,
 ) -> None:
     """Print OK, or one line per problem and exit 1."""
     from peagle_core.export import validate_checkpoint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -12,9 +13,11 @@ app = typer.Typer(no_args_is_help=True, help="The tiny offline verifier and corp
 
 @app.command("verifier")
 def verifier(
-    out: Path = typer.Option(..., "--out", help="Directory to write the HF model + tokenizer to."),
-    size: str = typer.Option("default", "--size", help="test (seconds) or default (a few minutes)."),
-    seed: int = typer.Option(0, "--seed", min=0),
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the HF model + tokenizer to.")],
+    size: Annotated[
+        str, typer.Option("--size", help="test (seconds) or default (a few minutes).")
+    ] = "default",
+    seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
 ) -> None:
     """Train (or reuse from the cache) the toy Llama verifier and copy it to OUT."""
     from peagle_core.cli.common import fail
@@ -30,9 +33,11 @@ def verifier(
 
 @app.command("dataset")
 def dataset(
-    out: Path = typer.Option(..., "--out", help="JSONL file to write (messages format)."),
-    n: int | None = typer.Option(None, "--n", min=1, help="Number of conversations (default: all)."),
-    seed: int = typer.Option(0, "--seed", min=0),
+    out: Annotated[Path, typer.Option("--out", help="JSONL file to write (messages format).")],
+    n: Annotated[
+        int | None, typer.Option("--n", min=1, help="Number of conversations (default: all).")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0)] = 0,
 ) -> None:
     """Write the toy chat corpus (stdlib docstring Q&A) as JSONL."""
     from peagle_core.toy import write_toy_dataset

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 
 def train_command(
-    spec_file: Path = typer.Argument(..., help="job spec (YAML or JSON)"),
-    out: Path | None = typer.Option(None, "--out", help="output directory (default: ./runs/<spec name>)"),
-    no_resume: bool = typer.Option(False, "--no-resume", help="start over even if checkpoints exist"),
+    spec_file: Annotated[Path, typer.Argument(help="job spec (YAML or JSON)")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="output directory (default: ./runs/<spec name>)")
+    ] = None,
+    no_resume: Annotated[
+        bool, typer.Option("--no-resume", help="start over even if checkpoints exist")
+    ] = False,
 ) -> None:
     """Train a P-EAGLE drafter; checkpoints go to OUT/checkpoints, the vLLM export to OUT/export."""
     from tqdm import tqdm
@@ -51,13 +55,17 @@ def train_command(
 
 
 def eval_command(
-    drafter: Path = typer.Option(..., "--drafter", help="exported drafter directory"),
-    verifier: str = typer.Option(..., "--verifier", help="verifier path or hub id"),
-    data: Path = typer.Option(..., "--data", help="chat JSONL (prompts are each conversation's first turns)"),
-    k: list[int] = typer.Option(..., "-k", help="speculative tokens per step (repeat for several)"),
-    prompts: int = typer.Option(16, "--prompts", min=1, help="how many prompts"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
-    seq_len: int = typer.Option(2048, "--seq-len", min=16, help="truncate conversations to this many tokens"),
+    drafter: Annotated[Path, typer.Option("--drafter", help="exported drafter directory")],
+    verifier: Annotated[str, typer.Option("--verifier", help="verifier path or hub id")],
+    data: Annotated[
+        Path, typer.Option("--data", help="chat JSONL (prompts are each conversation's first turns)")
+    ],
+    k: Annotated[list[int], typer.Option("-k", help="speculative tokens per step (repeat for several)")],
+    prompts: Annotated[int, typer.Option("--prompts", min=1, help="how many prompts")] = 16,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 64,
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", min=16, help="truncate conversations to this many tokens")
+    ] = 2048,
 ) -> None:
     """Greedy speculative decoding with drafter + verifier; prints one JSON line per K."""
     import tempfile

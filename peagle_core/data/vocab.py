@@ -1,7 +1,7 @@
 """The draft vocabulary: the most frequent target tokens, mapped to verifier ids (d2t offsets, t2d mask).
 
-Convention (ARCHITECTURE.md §6): draft id i is verifier id `i + d2t[i]`; `t2d[v]` says verifier id v is in
-the draft vocabulary. Draft ids are assigned in ascending verifier-id order.
+Convention (docs/architecture.md, Checkpoint contract): draft id i is verifier id `i + d2t[i]`; `t2d[v]`
+says verifier id v is in the draft vocabulary. Draft ids are assigned in ascending verifier-id order.
 """
 
 from __future__ import annotations

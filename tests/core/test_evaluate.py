@@ -12,8 +12,9 @@ from peagle_core.evaluate import evaluate, greedy_decode, held_out_prompts, prom
 
 @pytest.fixture(scope="module")
 def drafter_and_prompts(toy_verifier, prepared_dataset: Path):
+    from peagle_core.config import PEagleConfig
     from peagle_core.data import PreparedDataset
-    from peagle_core.model import PEagleConfig, PEagleDraftModel
+    from peagle_core.model import PEagleDraftModel
 
     ds = PreparedDataset.open(prepared_dataset)
     torch.manual_seed(0)
@@ -27,7 +28,7 @@ def drafter_and_prompts(toy_verifier, prepared_dataset: Path):
     )
     model = PEagleDraftModel(config)
     model.init_embeddings(toy_verifier.embed_weight.detach().float())
-    model.load_verifier_head(toy_verifier.final_norm, toy_verifier.lm_head_weight, ds.t2d, ds.d2t)
+    model.set_vocab_map(ds.t2d, ds.d2t)
     prompts = held_out_prompts(ds, range(len(ds)), limit=3)
     return model.eval(), prompts
 

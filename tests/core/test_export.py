@@ -1,4 +1,4 @@
-"""The vLLM checkpoint export: the §6 config, bit-exact round trip, and the validator's reasons."""
+"""The vLLM checkpoint export: config.json, bit-exact round trip, and the validator's reasons."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ VERIFIER_NAME = "toy/verifier"
 
 
 def _small_model(vocab: int = 512, draft_vocab: int = 64):
-    from peagle_core.model import PEagleConfig, PEagleDraftModel
+    from peagle_core.config import PEagleConfig
+    from peagle_core.model import PEagleDraftModel
 
     torch.manual_seed(0)
     config = PEagleConfig(
@@ -43,12 +44,11 @@ def _small_model(vocab: int = 512, draft_vocab: int = 64):
         verifier_architectures=["LlamaForCausalLM"],
     )
     model = PEagleDraftModel(config)
-    # A non-trivial vocabulary map: every 7th verifier token, so d2t offsets differ per entry.
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    targets = torch.arange(draft_vocab) * 7
-    t2d[targets] = True
-    d2t = targets - torch.arange(draft_vocab)
-    model.load_verifier_head(torch.nn.RMSNorm(32), torch.randn(vocab, 32), t2d, d2t)
+    if draft_vocab < vocab:  # a non-trivial map: every 7th verifier token, so d2t offsets differ per entry
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        targets = torch.arange(draft_vocab) * 7
+        t2d[targets] = True
+        model.set_vocab_map(t2d, targets - torch.arange(draft_vocab))
     with torch.no_grad():  # make every tensor distinct from its init so the round trip proves something
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
@@ -57,12 +57,14 @@ def _small_model(vocab: int = 512, draft_vocab: int = 64):
 
 @pytest.fixture
 def exported(tmp_path: Path) -> Path:
+    """An fp32 export, so a reload compares bit for bit (and edits below stay one dtype)."""
     return export_checkpoint(
         _small_model(),
         tmp_path / "ckpt",
         verifier_name_or_path=VERIFIER_NAME,
         data_fingerprint="abc123",
         metrics={"eval/acceptance_length@3": 2.5},
+        dtype="fp32",
     )
 
 
@@ -266,3 +268,136 @@ def test_cli_validate(exported: Path) -> None:
         "config.json: missing required field 'mask_token_id'",
         "model.safetensors: missing tensor 'mask_hidden'",
     ]
+
+
+def test_every_config_field_has_one_place_in_config_json() -> None:
+    from peagle_core.config import PEagleConfig
+    from peagle_core.speculators import CONFIG_FIELDS, config_from_json, config_json
+
+    assert CONFIG_FIELDS.keys() == PEagleConfig.model_fields.keys()
+    paths = [f.path for f in CONFIG_FIELDS.values()]
+    assert len(set(paths)) == len(paths)
+    config = _small_model().config.model_copy(update={"max_anchors": 7, "down_sample_ratio": 0.5})
+    assert config_from_json(json.loads(json.dumps(config_json(config)))) == config
+
+
+def test_a_failing_export_publishes_nothing(tmp_path: Path) -> None:
+    other_verifier = {"hidden_size": 48, "vocab_size": 512, "num_hidden_layers": 4}
+    with pytest.raises(CheckpointError, match="hidden_size is 32, the verifier's is 48"):
+        export_checkpoint(
+            _small_model(),
+            tmp_path / "ckpt",
+            verifier_name_or_path=VERIFIER_NAME,
+            verifier_config=other_verifier,
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- what vLLM's loader needs
+
+
+def _export(tmp_path: Path, name: str = "ckpt", **kwargs) -> Path:
+    vocab = kwargs.pop("vocab", 512)
+    model = _small_model(vocab=vocab, draft_vocab=kwargs.pop("draft_vocab", vocab))
+    return export_checkpoint(model, tmp_path / name, verifier_name_or_path=VERIFIER_NAME, **kwargs)
+
+
+def test_the_default_export_is_bf16_and_loads_back(tmp_path: Path) -> None:
+    from peagle_core.model import PEagleDraftModel
+
+    path = _export(tmp_path, draft_vocab=64)
+    saved = load_file(str(path / "model.safetensors"))
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool
+    assert validate_checkpoint(path) == []
+    original = _small_model(draft_vocab=64).state_dict()
+    loaded = PEagleDraftModel.from_pretrained(path).state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor.to(loaded[name].dtype)), name
+        assert torch.equal(tensor, original[name].to(tensor.dtype)), name
+
+
+def test_a_full_vocabulary_export_has_no_vocab_map(tmp_path: Path) -> None:
+    from peagle_core.model import PEagleDraftModel
+
+    model = _small_model(vocab=512, draft_vocab=512)
+    assert not {"d2t", "t2d"} & set(model.state_dict())
+    path = export_checkpoint(model, tmp_path / "ckpt", verifier_name_or_path=VERIFIER_NAME)
+    names = set(load_file(str(path / "model.safetensors")))
+    assert "mask_hidden" in names and not {"d2t", "t2d"} & names
+    assert validate_checkpoint(path) == []
+    loaded = PEagleDraftModel.from_pretrained(path)
+    assert torch.equal(loaded.d2t, torch.zeros(512, dtype=torch.long))
+    assert bool(loaded.t2d.all())
+    assert torch.equal(loaded.verifier_ids(), torch.arange(512))
+
+
+def test_rejects_a_vocab_map_with_the_full_vocabulary(tmp_path: Path) -> None:
+    path = _export(tmp_path)
+
+    def edit(t: dict) -> None:
+        t["d2t"] = torch.zeros(512, dtype=torch.long)
+        t["t2d"] = torch.ones(512, dtype=torch.bool)
+
+    _break_tensors(path, edit)
+    reason = "the draft vocabulary is the full vocabulary (512), for which vLLM has no vocabulary map and refuses one"
+    assert validate_checkpoint(path) == [
+        f"model.safetensors: tensor 'd2t' must not be present: {reason}",
+        f"model.safetensors: tensor 't2d' must not be present: {reason}",
+    ]
+
+
+def test_rejects_multimodal_rope_settings(exported: Path) -> None:
+    def edit(c: dict) -> None:
+        c["transformer_layer_config"]["rope_parameters"].update(
+            mrope_section=[2, 1, 1], mrope_interleaved=True
+        )
+
+    _break_config(exported, edit)
+    assert validate_checkpoint(exported) == [
+        "config.json: transformer_layer_config.rope_parameters has multimodal rotary settings "
+        "['mrope_section', 'mrope_interleaved']: vLLM refuses parallel drafting for an M-RoPE drafter, "
+        "and on text it is plain RoPE"
+    ]
+
+
+def test_rejects_unsorted_aux_layer_ids(exported: Path) -> None:
+    _break_config(exported, lambda c: c.__setitem__("eagle_aux_hidden_state_layer_ids", [3, 0, 2]))
+    assert validate_checkpoint(exported) == [
+        "config.json: eagle_aux_hidden_state_layer_ids [3, 0, 2] must be distinct and ascending: "
+        "vLLM gathers the verifier's aux hidden states in layer order"
+    ]
+
+
+def test_rejects_a_dtype_mix(tmp_path: Path) -> None:
+    path = _export(tmp_path, draft_vocab=64)
+    _break_tensors(path, lambda t: t.__setitem__("norm.weight", t["norm.weight"].float()))
+    assert validate_checkpoint(path) == [
+        "model.safetensors: float tensors mix dtypes ['bfloat16', 'float32']; a checkpoint holds one "
+        "(bf16, or fp32 when export.dtype asks for it)"
+    ]
+
+
+def test_cli_validate_gives_a_reason_for_each_vllm_rule(tmp_path: Path) -> None:
+    from peagle_core.cli import build_app
+
+    path = _export(tmp_path)
+
+    def edit_tensors(t: dict) -> None:
+        t["d2t"] = torch.zeros(512, dtype=torch.long)
+        t["fc.weight"] = t["fc.weight"].float()
+
+    def edit_config(c: dict) -> None:
+        c["transformer_layer_config"]["rope_parameters"]["mrope_section"] = [2, 1, 1]
+        c["eagle_aux_hidden_state_layer_ids"] = [2, 0, 3]
+
+    _break_tensors(path, edit_tensors)
+    _break_config(path, edit_config)
+    result = CliRunner().invoke(build_app(), ["export", "validate", str(path)])
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    assert len(lines) == 4
+    assert "rope_parameters has multimodal rotary settings ['mrope_section']" in lines[0]
+    assert "eagle_aux_hidden_state_layer_ids [2, 0, 3] must be distinct and ascending" in lines[1]
+    assert lines[2].startswith("model.safetensors: tensor 'd2t' must not be present")
+    assert lines[3].startswith("model.safetensors: float tensors mix dtypes ['bfloat16', 'float32']")

@@ -1,4 +1,4 @@
-"""The P-EAGLE drafter: checkpoint names, gradient flow, overfitting, and draft/forward consistency."""
+"""The P-EAGLE drafter and its objective: checkpoint names, gradient flow, overfitting, draft/forward consistency."""
 
 from __future__ import annotations
 
@@ -6,16 +6,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from peagle_core.config import PEagleConfig
 from peagle_core.loss import fused_kl_loss, reference_kl_loss
-from peagle_core.model import PEagleConfig, PEagleDraftModel
+from peagle_core.model import PEagleDraftModel
+from peagle_core.objective import LossOutput, Teacher, distillation_loss, sample_rows
 
 H, VOCAB, DRAFT_VOCAB = 32, 97, 40
 
 
-def tiny_model(seed: int = 0, num_layers: int = 2, num_depths: int = 4, **overrides) -> PEagleDraftModel:
+def tiny_model(
+    seed: int = 0, num_layers: int = 2, num_depths: int = 4, **overrides
+) -> tuple[PEagleDraftModel, Teacher]:
+    """A small drafter with a random draft vocabulary, and the teacher of a random verifier head."""
     torch.manual_seed(seed)
     config = PEagleConfig(
         hidden_size=H,
@@ -37,8 +41,8 @@ def tiny_model(seed: int = 0, num_layers: int = 2, num_depths: int = 4, **overri
     t2d[targets] = True
     norm = LlamaRMSNorm(H, eps=1e-6)
     torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
-    model.load_verifier_head(norm, torch.randn(VOCAB, H), t2d, targets - torch.arange(DRAFT_VOCAB))
-    return model
+    model.set_vocab_map(t2d, targets - torch.arange(DRAFT_VOCAB))
+    return model, Teacher.from_verifier(norm, torch.randn(VOCAB, H), model.verifier_ids())
 
 
 def packed_batch(seed: int = 0, lengths: tuple[int, ...] = (23, 17), pad: int = 5) -> SimpleNamespace:
@@ -57,20 +61,12 @@ def packed_batch(seed: int = 0, lengths: tuple[int, ...] = (23, 17), pad: int = 
     )
 
 
-def run(model: PEagleDraftModel, batch: SimpleNamespace, **kwargs):
-    return model(
-        batch.hidden_states,
-        batch.input_ids,
-        batch.verifier_last_hidden_states,
-        batch.loss_mask,
-        batch.document_ids,
-        position_ids=batch.position_ids,
-        **kwargs,
-    )
+def run(model: PEagleDraftModel, teacher: Teacher, batch: SimpleNamespace, generator=None) -> LossOutput:
+    return distillation_loss(model, teacher, batch, sample_rows(model.config, batch, generator))
 
 
 def test_state_dict_is_the_checkpoint_contract() -> None:
-    model = tiny_model(num_layers=3)
+    model, _ = tiny_model(num_layers=3)
     names = set(model.state_dict())
     expected = {
         "fc.weight",
@@ -98,22 +94,9 @@ def test_state_dict_is_the_checkpoint_contract() -> None:
     assert state["d2t"].dtype == torch.long and state["t2d"].dtype == torch.bool
 
 
-def test_config_from_verifier() -> None:
-    hf = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=12, vocab_size=500, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
-    )  # fmt: skip
-    cfg = PEagleConfig.from_verifier(hf, mask_token_id=3, draft_vocab_size=None)
-    assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads) == (64, 16, 2)
-    assert cfg.aux_layer_ids == [2, 6, 9] and cfg.draft_vocab_size == 500
-    assert cfg.rope_parameters["rope_theta"] == 5e5 and cfg.num_depths == 4 and cfg.norm_before_residual
-    with pytest.raises(ValueError, match="mask_token_id"):
-        PEagleConfig.from_verifier(hf, mask_token_id=500)
-
-
 def test_gradient_reaches_every_parameter() -> None:
-    model = tiny_model()
-    out = run(model, packed_batch(), generator=torch.Generator().manual_seed(0))
+    model, teacher = tiny_model()
+    out = run(model, teacher, packed_batch(), generator=torch.Generator().manual_seed(0))
     assert int(out.metrics["positions_3"]) > 0
     out.loss.backward()
     for name, p in model.named_parameters():
@@ -140,12 +123,12 @@ def test_fused_loss_matches_reference() -> None:
 
 @pytest.mark.parametrize("norm_before_residual", [True, False])
 def test_tiny_model_overfits_one_batch(norm_before_residual: bool) -> None:
-    model = tiny_model(norm_before_residual=norm_before_residual)
+    model, teacher = tiny_model(norm_before_residual=norm_before_residual)
     batch = packed_batch(lengths=(30,), pad=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     losses = []
     for step in range(150):
-        out = run(model, batch, generator=torch.Generator().manual_seed(step))
+        out = run(model, teacher, batch, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -155,7 +138,8 @@ def test_tiny_model_overfits_one_batch(norm_before_residual: bool) -> None:
 
 
 def test_draft_matches_training_forward() -> None:
-    model = tiny_model(seed=1).eval()
+    model, _ = tiny_model(seed=1)
+    model.eval()
     batch = packed_batch(seed=1, lengths=(26,), pad=0)
     t, k = batch.input_ids.shape[1], 4
     last = t - 1
@@ -164,9 +148,12 @@ def test_draft_matches_training_forward() -> None:
         torch.cat([torch.zeros(t, dtype=torch.long), torch.arange(1, k)]),
     )
     with torch.no_grad():
-        out = run(model, batch, cod=cod, return_logits=True)
+        hidden = model(
+            batch.hidden_states[0], batch.input_ids[0], batch.position_ids[0], batch.document_ids[0], *cod
+        )
+        logits = model.lm_head(hidden)
     chain_rows = torch.cat([torch.tensor([last]), torch.arange(t, t + k - 1)])
-    expected = out.logits[chain_rows].argmax(-1)
+    expected = logits[chain_rows].argmax(-1)
     expected = expected + model.d2t[expected]
 
     drafted = model.draft(batch.hidden_states, batch.input_ids, k=k)

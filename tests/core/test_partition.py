@@ -8,13 +8,16 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from peagle_core.model import PEagleConfig, PEagleDraftModel
+import peagle_core.partition as partition
+from peagle_core.config import PEagleConfig
+from peagle_core.model import PEagleDraftModel
+from peagle_core.objective import Teacher
 from peagle_core.partition import partitioned_backward
 
 H, VOCAB = 32, 60
 
 
-def _model() -> PEagleDraftModel:
+def _model() -> tuple[PEagleDraftModel, Teacher]:
     torch.manual_seed(0)
     cfg = PEagleConfig(
         hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
@@ -22,13 +25,8 @@ def _model() -> PEagleDraftModel:
         down_sample_ratio=0.9, down_sample_ratio_min=0.5,
     )  # fmt: skip
     model = PEagleDraftModel(cfg)
-    model.load_verifier_head(
-        LlamaRMSNorm(H),
-        torch.randn(VOCAB, H),
-        torch.ones(VOCAB, dtype=torch.bool),
-        torch.zeros(VOCAB, dtype=torch.long),
-    )
-    return model
+    model.set_vocab_map(torch.ones(VOCAB, dtype=torch.bool), torch.zeros(VOCAB, dtype=torch.long))
+    return model, Teacher.from_verifier(LlamaRMSNorm(H), torch.randn(VOCAB, H), model.verifier_ids())
 
 
 def _batch(lengths: tuple[int, ...], pad: int = 3) -> SimpleNamespace:
@@ -47,24 +45,30 @@ def _batch(lengths: tuple[int, ...], pad: int = 3) -> SimpleNamespace:
     )
 
 
-def _grads(model: PEagleDraftModel, batch: SimpleNamespace, segments: int) -> tuple[dict, dict]:
+def _grads(
+    model: PEagleDraftModel, teacher: Teacher, batch: SimpleNamespace, segments: int
+) -> tuple[dict, dict]:
     model.zero_grad(set_to_none=True)
-    metrics = partitioned_backward(model, batch, segments, generator=torch.Generator().manual_seed(7))
+    metrics = partitioned_backward(
+        model, teacher, batch, segments, generator=torch.Generator().manual_seed(7)
+    )
     return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
 
 
 @pytest.mark.parametrize("segments", [2, 3, 5])
 def test_partitioned_gradients_equal_unpartitioned(segments: int) -> None:
-    model, batch = _model(), _batch((40, 25, 31))
-    whole, whole_metrics = _grads(model, batch, 1)
-    parts, part_metrics = _grads(model, batch, segments)
+    (model, teacher), batch = _model(), _batch((40, 25, 31))
+    whole, whole_metrics = _grads(model, teacher, batch, 1)
+    parts, part_metrics = _grads(model, teacher, batch, segments)
     for name in whole:
         torch.testing.assert_close(parts[name], whole[name], atol=1e-5, rtol=1e-4, msg=name)
     for key, value in whole_metrics.items():
         torch.testing.assert_close(part_metrics[key].float(), value.float(), atol=1e-5, rtol=1e-5, msg=key)
 
 
-def _peak_saved_bytes(model: PEagleDraftModel, batch: SimpleNamespace, segments: int) -> int:
+def _peak_saved_bytes(
+    model: PEagleDraftModel, teacher: Teacher, batch: SimpleNamespace, segments: int, monkeypatch
+) -> int:
     """Largest total of tensors saved for backward by any one segment (its activation memory)."""
     peak, current = 0, 0
 
@@ -74,26 +78,27 @@ def _peak_saved_bytes(model: PEagleDraftModel, batch: SimpleNamespace, segments:
             current += t.numel() * t.element_size()
         return t
 
-    original = PEagleDraftModel.forward
+    original = partition.distillation_loss
 
-    def counted(self, *args, **kwargs):
+    def counted(*args, **kwargs):
         nonlocal peak, current
         current = 0
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = original(self, *args, **kwargs)
+            out = original(*args, **kwargs)
         peak = max(peak, current)
         return out
 
-    PEagleDraftModel.forward = counted
-    try:
-        partitioned_backward(model, batch, segments, generator=torch.Generator().manual_seed(7))
-    finally:
-        PEagleDraftModel.forward = original
+    with monkeypatch.context() as patch:
+        patch.setattr(partition, "distillation_loss", counted)
+        partitioned_backward(model, teacher, batch, segments, generator=torch.Generator().manual_seed(7))
     return peak
 
 
-def test_activation_memory_falls_with_segments() -> None:
-    model, batch = _model(), _batch((60,) * 6, pad=0)  # many documents: each segment needs few keys
-    peaks = {s: _peak_saved_bytes(model, batch, s) for s in (1, 2, 4)}
+def test_activation_memory_falls_with_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    (model, teacher), batch = (
+        _model(),
+        _batch((60,) * 6, pad=0),
+    )  # many documents: each segment needs few keys
+    peaks = {s: _peak_saved_bytes(model, teacher, batch, s, monkeypatch) for s in (1, 2, 4)}
     print("peak saved activation bytes per segment count:", peaks)
     assert peaks[2] < 0.7 * peaks[1] and peaks[4] < 0.45 * peaks[1]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from peagle_core.spec import JobSpec, SpecError, default_layer_ids, load_spec, parse_spec
+from peagle_core.spec import JobSpec, SpecError, load_spec, parse_spec
 
 BASE = {"verifier": {"name_or_path": "/models/v"}, "dataset": {"path": "/data/chat.jsonl", "seq_len": 512}}
 
@@ -34,6 +34,7 @@ def test_defaults_follow_the_parameter_table() -> None:
         ({"training": {"epochs": 0}}, "training.epochs"),
         ({"training": {"bogus": 1}}, "training.bogus"),
         ({"resources": {"queue": "no spaces"}}, "resources.queue"),
+        ({"export": {"dtype": "fp16"}}, "export.dtype"),
     ],
 )
 def test_bad_fields_are_named(patch: dict, param: str) -> None:
@@ -72,8 +73,8 @@ def test_file_errors_name_the_line(tmp_path) -> None:
         load_spec(bad)
 
 
-def test_default_layer_ids() -> None:
-    assert default_layer_ids(32) == [2, 16, 29]
-    assert len(set(default_layer_ids(4))) == 3 and max(default_layer_ids(4)) < 4
-    with pytest.raises(ValueError):
-        default_layer_ids(2)
+def test_layer_ids_resolve_ascending_and_export_defaults_to_bf16() -> None:
+    spec = parse_spec({**BASE, "verifier": {"name_or_path": "v", "layer_ids": [13, 2, 8]}})
+    assert spec.verifier.layer_ids == [2, 8, 13]
+    assert spec.export.dtype == "bf16"
+    assert parse_spec({**BASE, "export": {"dtype": "fp32"}}).export.dtype == "fp32"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from peagle_core.checkpoint import latest_checkpoint
 from peagle_core.export import validate_checkpoint
@@ -67,6 +68,7 @@ def test_full_run_reports_checkpoints_evaluates_and_exports(
 
     verifier_config = AutoConfig.from_pretrained(spec.verifier.name_or_path)
     assert validate_checkpoint(result.export_dir, verifier_config) == []
+    assert load_file(str(result.export_dir / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     assert (result.export_dir / "eval.json").is_file()
     assert "eval/acceptance_length@3" in result.metrics
 
@@ -158,15 +160,17 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(
 
 
 def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: Path, spec_for) -> None:
+    from peagle_core.builders import build_model, build_teacher
     from peagle_core.data import PreparedDataset
     from peagle_core.data.packing import pack_bins
     from peagle_core.hidden_states import BatchLoader, make_source
-    from peagle_core.train import build_model, forward_backward
+    from peagle_core.train import forward_backward
 
     spec = spec_for()
     ds = PreparedDataset.open(prepared_dataset)
     torch.manual_seed(0)
     model = build_model(spec, toy_verifier, ds, torch.device("cpu"))
+    teacher = build_teacher(toy_verifier, model)
     bins = pack_bins(ds.lengths, 256, seed=0, epoch=0)
     source = make_source("online", ds, verifier_factory=lambda: toy_verifier)
     batch = next(iter(BatchLoader(ds, source, bins[:1], total_seq_len=256)))
@@ -174,7 +178,12 @@ def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: P
     def grads(num_segments: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         m = copy.deepcopy(model)
         metrics = forward_backward(
-            m, batch, num_segments=num_segments, generator=torch.Generator().manual_seed(3), scale=0.5
+            m,
+            teacher,
+            batch,
+            num_segments=num_segments,
+            generator=torch.Generator().manual_seed(3),
+            scale=0.5,
         )
         return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, metrics
 
@@ -211,8 +220,8 @@ def test_hybrid_second_epoch_reads_the_cache_without_the_verifier(
 def test_lm_head_starts_from_the_verifier_rows_when_asked(
     spec_for, toy_verifier, prepared_dataset: Path, init: bool
 ) -> None:
+    from peagle_core.builders import build_model
     from peagle_core.data import PreparedDataset
-    from peagle_core.train import build_model
 
     spec = spec_for()
     spec.model.init_lm_head_from_verifier = init
@@ -220,3 +229,19 @@ def test_lm_head_starts_from_the_verifier_rows_when_asked(
     model = build_model(spec, toy_verifier, dataset, torch.device("cpu"))
     rows = toy_verifier.lm_head_weight[torch.arange(dataset.d2t.numel()) + dataset.d2t].float()
     assert torch.equal(model.lm_head.weight.detach(), rows) is init
+
+
+def test_layer_ids_given_in_any_order_train_in_layer_order(spec_for, prepared_dataset: Path) -> None:
+    from peagle_core.builders import build_model, load_verifier
+    from peagle_core.cache import CacheFingerprint
+    from peagle_core.data import PreparedDataset
+
+    spec = spec_for()
+    spec.verifier.layer_ids = [3, 1, 2]
+    assert spec.verifier.layer_ids == [1, 2, 3]  # resolved once, in the spec
+    verifier = load_verifier(spec, torch.device("cpu"))
+    dataset = PreparedDataset.open(prepared_dataset)
+    model = build_model(spec, verifier, dataset, torch.device("cpu"))
+    # Hidden-state capture, the cache fingerprint and the exported config all see one order.
+    assert verifier.layer_ids == model.config.aux_layer_ids == [1, 2, 3]
+    assert list(CacheFingerprint.of(verifier, dataset).layer_ids) == [1, 2, 3]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from peagle_core.config import default_layer_ids
 from peagle_core.errors import VerifierError
-from peagle_core.spec import default_layer_ids
 from peagle_core.verifier import Verifier
 
 
@@ -70,6 +70,11 @@ def test_explicit_layer_ids_and_errors(toy_verifier_dir: Path, tmp_path: Path) -
         ref = v.model(input_ids=torch.tensor([[2, 5, 6]]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(aux[..., : v.hidden_size], ref[1])
     torch.testing.assert_close(aux[..., -v.hidden_size :], ref[3])
+
+    # Captured in layer order whatever order they are given in: vLLM gathers them that way.
+    unsorted = Verifier(v.model, v.tokenizer, str(toy_verifier_dir), layer_ids=[3, 1, 2])
+    assert unsorted.layer_ids == [1, 2, 3]
+    torch.testing.assert_close(unsorted.hidden_states(torch.tensor([[2, 5, 6]]))[0], aux)
 
     with pytest.raises(VerifierError, match="layer_ids") as exc:
         Verifier.load(str(toy_verifier_dir), device="cpu", layer_ids=[1, 2, 9])

@@ -1,0 +1,165 @@
+"""The parts of a training run, built from a job spec: data, verifier, hidden-state source, drafter,
+teacher, optimizer and the packed batches of each epoch.
+
+`peagle_core.train` assembles them; benchmarks and tests build single parts with the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle_core import distributed as dist_utils
+from peagle_core.cache import MANIFEST, CacheFingerprint, HiddenStateCache, build_cache
+from peagle_core.config import PEagleConfig
+from peagle_core.data import PreparedDataset
+from peagle_core.data.packing import pack_bins
+from peagle_core.data.prepare import prepare_for_spec
+from peagle_core.errors import DataError
+from peagle_core.evaluate import held_out_prompts
+from peagle_core.hidden_states import HiddenStateSource, VerifierCompute, make_source
+from peagle_core.model import PEagleDraftModel
+from peagle_core.objective import Teacher
+from peagle_core.spec import JobSpec
+from peagle_core.verifier import Verifier
+
+
+def prepare_data(
+    spec: JobSpec, out_dir: Path, dataset_dir: str | Path | None, info: dist_utils.DistInfo
+) -> PreparedDataset:
+    """The prepared dataset: `dataset_dir` if given, else out_dir/data (reused when its fingerprint matches)."""
+    if dataset_dir is not None:
+        return PreparedDataset.open(dataset_dir)
+    if spec.dataset.path is None:
+        raise DataError(
+            "dataset.id needs the service to resolve it to a file; give dataset.path", param="dataset"
+        )
+    target = out_dir / "data"
+    if info.is_main:
+        prepare_for_spec(spec, spec.dataset.path, target)
+    dist_utils.barrier(info)
+    return PreparedDataset.open(target)
+
+
+def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:
+    """The spec's verifier on `device`, capturing its aux layers."""
+    return Verifier.load(
+        spec.verifier.name_or_path,
+        revision=spec.verifier.revision,
+        dtype=spec.verifier.dtype,
+        device=str(device),
+        layer_ids=spec.verifier.layer_ids,
+        trust_remote_code=spec.verifier.trust_remote_code,
+    )
+
+
+def build_source(
+    spec: JobSpec, dataset: PreparedDataset, verifier: Verifier, cache_root: Path, info: dist_utils.DistInfo
+) -> HiddenStateSource:
+    """The hidden-state source of `spec.hidden_states.mode`; an offline job without a cache builds it first."""
+    fingerprint = CacheFingerprint.of(verifier, dataset)
+    pad = verifier.tokenizer.pad_token_id or 0
+    hs = spec.hidden_states
+    if hs.mode == "offline" and info.is_main:
+        complete = (cache_root / MANIFEST).is_file() and HiddenStateCache.open(
+            cache_root, fingerprint
+        ).is_complete()
+        if not complete:
+            compute = VerifierCompute(dataset, lambda: verifier, pad_token_id=pad)
+            build_cache(cache_root, dataset, compute, fingerprint, dtype=hs.dtype)
+    dist_utils.barrier(info)
+    return make_source(
+        hs.mode,
+        dataset,
+        verifier_factory=lambda: verifier,
+        cache_dir=cache_root,
+        dtype=hs.dtype,
+        max_cache_bytes=hs.max_cache_bytes,
+        fingerprint=fingerprint,
+        pad_token_id=pad,
+    )
+
+
+def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device) -> PEagleDraftModel:
+    """A fresh drafter shaped by the verifier, with the data's vocab map; embeddings (and lm_head) copied
+    from the verifier as the spec asks."""
+    config = PEagleConfig.from_verifier(
+        verifier.config,
+        **spec.model.drafter_settings(),
+        draft_vocab_size=int(dataset.d2t.numel()),
+        mask_token_id=dataset.mask_token_id,
+        aux_layer_ids=list(verifier.layer_ids),
+        verifier_name_or_path=spec.verifier.name_or_path,
+    )
+    model = PEagleDraftModel(config)
+    model.set_vocab_map(dataset.t2d, dataset.d2t)
+    if spec.model.init_embeddings_from_verifier:
+        model.init_embeddings(verifier.embed_weight.detach().float().cpu())
+    if spec.model.init_lm_head_from_verifier:
+        model.init_lm_head(verifier.lm_head_weight)
+    return model.to(device)
+
+
+def build_teacher(verifier: Any, model: PEagleDraftModel) -> Teacher:
+    """The verifier's frozen final norm and lm_head rows over `model`'s draft vocabulary, on its device."""
+    teacher = Teacher.from_verifier(verifier.final_norm, verifier.lm_head_weight, model.verifier_ids())
+    return teacher.to(model.verifier_ids().device)
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: norms, biases and `mask_hidden` are not decayed."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or "norm" in name or name.endswith("bias") or name == "mask_hidden":
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=False)
+
+
+def epoch_bins(
+    train_indices: list[int], lengths: list[int], spec: JobSpec, epoch: int, info: dist_utils.DistInfo
+):
+    """This rank's packed batches for `epoch`, as lists of dataset indices (equal counts on every rank)."""
+    tc = spec.training
+    sub_lengths = [lengths[i] for i in train_indices]
+    bins = pack_bins(
+        sub_lengths, tc.total_seq_len, tc.seed, epoch, rank=info.rank, world_size=info.world_size
+    )
+    return [[train_indices[j] for j in b] for b in bins]
+
+
+def count_steps(spec: JobSpec, train_idx: list[int], lengths: list[int], info: dist_utils.DistInfo) -> int:
+    """Optimizer steps of the whole run: every epoch's micro-batches in groups of grad_accum, capped."""
+    tc = spec.training
+    micro_per_epoch = [len(epoch_bins(train_idx, lengths, spec, e, info)) for e in range(tc.epochs)]
+    total = sum(math.ceil(n / tc.grad_accum) for n in micro_per_epoch)
+    if tc.max_steps is not None:
+        total = min(total, tc.max_steps)
+    if total == 0:
+        raise DataError("the dataset packs into no training batches", param="dataset")
+    return total
+
+
+def eval_prompts(
+    spec: JobSpec, dataset: PreparedDataset, val_idx: list[int], verifier: Verifier
+) -> list[torch.Tensor]:
+    """Held-out prompts: the validation split's (count given), or the spec's own prompt strings."""
+    prompts = spec.evaluation.prompts
+    if isinstance(prompts, int):
+        return held_out_prompts(dataset, val_idx, limit=prompts)
+    tok = verifier.tokenizer
+    out = []
+    for text in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out
