@@ -26,6 +26,13 @@ def upgrade(database_url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(database_url), revision)
 
 
+def script_heads() -> set[str]:
+    """The head revisions of the packaged migration scripts (what `upgrade` brings a database to)."""
+    from alembic.script import ScriptDirectory
+
+    return set(ScriptDirectory.from_config(alembic_config("sqlite://")).get_heads())
+
+
 def current_heads(database_url: str) -> set[str]:
     """The revisions the database is at (empty when never migrated)."""
     from alembic.runtime.migration import MigrationContext

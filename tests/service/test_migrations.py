@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from service.db.migrate import current_heads, upgrade
+from service.db.migrate import current_heads, script_heads, upgrade
 from service.db.models import Base
 from service.db.session import make_engine
 
@@ -22,13 +22,18 @@ def test_models_and_migrations_agree(db_url: str) -> None:
         engine.dispose()
 
 
+def test_one_head() -> None:
+    # Parallel branches each add a revision; a merge that forgets to re-chain them leaves two heads.
+    assert len(script_heads()) == 1
+
+
 def test_upgrade_is_idempotent_and_at_head(db_url: str) -> None:
     upgrade(db_url)
-    assert current_heads(db_url) == {"0001"}
+    assert current_heads(db_url) == script_heads()
 
 
 def test_upgrade_fresh_sqlite_from_another_cwd(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     upgrade(url)
-    assert current_heads(url) == {"0001"}
+    assert current_heads(url) == script_heads()
