@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.toy", "tests.fixtures.stack"]
+pytest_plugins = ["tests.fixtures.toy", "tests.fixtures.stack", "tests.fixtures.vllm"]
 
 
 def _cuda_available() -> bool:
