@@ -49,6 +49,11 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         default=1 << 30, ge=1, description="Largest dataset upload accepted, in bytes (larger: HTTP 413)."
     )
+    max_spec_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        description="Largest request body accepted outside dataset uploads (a job spec), in bytes (larger: 413).",
+    )
     cancel_grace_s: float = Field(
         default=60.0,
         ge=0,

@@ -53,6 +53,7 @@ def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
     response_model=schemas.Dataset,
     responses={
         **_ERRORS,
+        201: schemas.id_links("dataset_id", *schemas.DATASET_OPS),
         413: {"model": schemas.ErrorEnvelope},
         415: {"model": schemas.ErrorEnvelope},
         422: {"model": schemas.ErrorEnvelope},

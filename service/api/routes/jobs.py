@@ -48,7 +48,12 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
     "",
     status_code=201,
     response_model=schemas.Job,
-    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    responses={
+        **_ERRORS,
+        201: schemas.id_links("job_id", *schemas.JOB_OPS),
+        409: {"model": schemas.ErrorEnvelope},
+        413: {"model": schemas.ErrorEnvelope},
+    },
     summary="Create a training job",
     description='Body: `{"spec": JobSpec}`. The spec is validated (errors name the field, e.g. '
     "`spec.training.lr`), server paths are checked against the allowed roots, and the job is stored as "
@@ -301,7 +306,10 @@ def job_metrics(
 @router.get(
     "/{job_id}/checkpoints",
     response_model=schemas.CheckpointList,
-    responses=_ERRORS,
+    responses={
+        **_ERRORS,
+        200: schemas.id_links("checkpoint_id", *schemas.CHECKPOINT_OPS, source="$response.body#/data/0/id"),
+    },
     summary="Published checkpoints",
 )
 def job_checkpoints(job_id: str, db: DB, project: CurrentProject) -> schemas.CheckpointList:
