@@ -9,6 +9,8 @@ from typing import Annotated
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES
+
 
 def _split_paths(value: object) -> object:
     # Roots come from the environment as `PEAGLE_ALLOWED_MODEL_ROOTS=/a:/b` (or comma-separated) or JSON.
@@ -48,6 +50,11 @@ class Settings(BaseSettings):
     )
     max_upload_bytes: int = Field(
         default=1 << 30, ge=1, description="Largest dataset upload accepted, in bytes (larger: HTTP 413)."
+    )
+    max_line_bytes: int = Field(
+        default=DEFAULT_MAX_LINE_BYTES,
+        ge=1024,
+        description="Longest JSONL line a dataset may have, in bytes (bounds validation memory; longer: 422).",
     )
     max_spec_bytes: int = Field(
         default=1 << 20,

@@ -279,7 +279,7 @@ class JobRunner:
             if (local / "manifest.json").is_file():
                 return local, True
             with atomic_dir(local) as tmp:
-                prepare_for_spec(spec, data_path, tmp)
+                prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
             return local, False
         scratch = out_dir / "prepared"
         if self.store.exists(f"{key}/manifest.json"):
@@ -287,7 +287,7 @@ class JobRunner:
                 self.store.fetch_dir(key, scratch)
             return scratch, True
         with atomic_dir(scratch) as tmp:
-            prepare_for_spec(spec, data_path, tmp)
+            prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
         self.store.publish_dir(scratch, key)
         return scratch, False
 

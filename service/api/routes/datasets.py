@@ -78,7 +78,9 @@ async def upload_dataset(
         request, "file", spool_dir / f"upload-{uuid.uuid4().hex}", settings.max_upload_bytes
     )
     try:
-        row = await run_in_threadpool(_store_and_record, store, db, project.id, spooled, format)
+        row = await run_in_threadpool(
+            _store_and_record, store, db, project.id, spooled, format, settings.max_line_bytes
+        )
     finally:
         with contextlib.suppress(OSError):
             spooled.path.unlink()
@@ -86,12 +88,13 @@ async def upload_dataset(
 
 
 def _store_and_record(
-    store: ArtifactStore, db: DB, project_id: str, spooled: SpooledFile, fmt: str
+    store: ArtifactStore, db: DB, project_id: str, spooled: SpooledFile, fmt: str, max_line_bytes: int
 ) -> Dataset:
+    """Validate (line by line), copy to the store and insert the row; runs on a worker thread."""
     from peagle_core.data import validate_jsonl
 
     try:
-        report = validate_jsonl(spooled.path, fmt=fmt)
+        report = validate_jsonl(spooled.path, fmt=fmt, max_line_bytes=max_line_bytes)
     except DataError as exc:
         raise ApiError(422, exc.message, code=exc.code, param="file") from None
     dataset_id = new_id("ds")
