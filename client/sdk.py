@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -147,10 +148,23 @@ class PeagleClient:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
-        """POST a job spec (a JobSpec-shaped dict); the server validates it and answers the job record."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self._json("POST", "/v1/jobs", json={"spec": spec}, headers=headers)
+    def create_job(
+        self, spec: dict[str, Any], *, idempotency_key: str | None = None, retries: int = 4
+    ) -> dict[str, Any]:
+        """POST a job spec (a JobSpec-shaped dict); the server validates it and answers the job record.
+
+        Every create carries an `Idempotency-Key` (a fresh one unless given), so retrying after a 503 or
+        a dropped connection, which this does `retries` times with backoff, never creates the job twice.
+        """
+        headers = {"Idempotency-Key": idempotency_key or f"peagle-{uuid.uuid4().hex}"}
+        for attempt in range(retries + 1):
+            try:
+                return self._json("POST", "/v1/jobs", json={"spec": spec}, headers=headers)
+            except ClientError as exc:
+                if attempt == retries or not (exc.status == 503 or exc.code == "unreachable"):
+                    raise
+            time.sleep(min(0.5 * 2**attempt, 8.0))
+        raise AssertionError("unreachable")
 
     def list_jobs(
         self, *, status: str | None = None, limit: int | None = None, after: str | None = None
@@ -166,6 +180,16 @@ class PeagleClient:
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Delete a finished job with its checkpoints and files."""
+        return self._json("DELETE", f"/v1/jobs/{job_id}")
+
+    def delete_dataset(self, dataset_id: str) -> dict[str, Any]:
+        return self._json("DELETE", f"/v1/datasets/{dataset_id}")
+
+    def delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+        return self._json("DELETE", f"/v1/checkpoints/{checkpoint_id}")
 
     def job_events(
         self, job_id: str, *, after: int | str | None = None, limit: int | None = None

@@ -1,4 +1,4 @@
-"""The server side of `peagle`: `api` (uvicorn), `db upgrade` (Alembic) and `keys create`."""
+"""The server side of `peagle`: `api` (uvicorn), `db upgrade` (Alembic) and `keys create|list|revoke|rotate`."""
 
 from __future__ import annotations
 
@@ -59,6 +59,53 @@ def keys_create(
         typer.secho(
             f"project {project} ({row.project_id}); store this key now, it is not shown again", err=True
         )
+
+
+@keys_app.command("list")
+def keys_list(
+    project: Annotated[str | None, typer.Option(help="Only this project's keys.")] = None,
+) -> None:
+    """List API keys: id, project, prefix, created, revoked (keys themselves are never stored)."""
+    from service.crud.projects import list_keys
+    from service.db.session import session_scope
+    from service.settings import get_settings
+
+    with session_scope(get_settings().database_url) as session:
+        for row, name in list_keys(session, project):
+            revoked = row.revoked_at.isoformat(timespec="seconds") if row.revoked_at else "-"
+            created = row.created_at.isoformat(timespec="seconds")
+            typer.echo(f"{row.id}\t{name}\t{row.prefix}...\t{created}\trevoked={revoked}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: Annotated[str, typer.Argument(help="Key id (from `peagle keys list`).")]) -> None:
+    """Revoke a key: requests with it get 401 from the next one on."""
+    from service.crud.projects import revoke_key
+    from service.db.session import session_scope
+    from service.settings import get_settings
+
+    with session_scope(get_settings().database_url) as session:
+        if revoke_key(session, key_id) is None:
+            typer.secho(f"no API key with id {key_id!r}", err=True)
+            raise typer.Exit(1)
+        session.commit()
+    typer.echo(f"revoked {key_id}")
+
+
+@keys_app.command("rotate")
+def keys_rotate(key_id: Annotated[str, typer.Argument(help="Key id (from `peagle keys list`).")]) -> None:
+    """Issue a new key for the same project and revoke KEY_ID at once; prints the new key."""
+    from service.crud.projects import rotate_key
+    from service.db.session import session_scope
+    from service.settings import get_settings
+
+    with session_scope(get_settings().database_url) as session:
+        rotated = rotate_key(session, key_id)
+        if rotated is None:
+            typer.secho(f"no live API key with id {key_id!r}", err=True)
+            raise typer.Exit(1)
+        typer.echo(rotated[0])
+        typer.secho(f"new key {rotated[1].id}; {key_id} is revoked; store the new key now", err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -94,6 +94,12 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="How often a worker records that a running job is still alive."
     )
 
+    retention_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="Delete finished jobs (with their checkpoints and files) this many days after they end; "
+        "applied by the reconciler. Unset: keep everything.",
+    )
     events_poll_s: float = Field(
         default=0.5, gt=0, description="How often an SSE event stream polls the database for new events."
     )

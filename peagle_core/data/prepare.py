@@ -124,9 +124,10 @@ def prepare_dataset(
     source_format = None
     all_ids: list[torch.Tensor] = []
     all_masks: list[torch.Tensor] = []
-    for source_format, row in iter_rows(data_path, fmt, max_line_bytes):
+    for row_format, row in iter_rows(data_path, fmt, max_line_bytes):
         if max_samples is not None and len(all_ids) >= max_samples:
             break
+        source_format = row_format
         if row.messages is not None:
             ids, mask = tokenize_conversation(tokenizer, row.messages, line=row.line)
         else:

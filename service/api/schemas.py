@@ -28,12 +28,22 @@ JOB_OPS = (
     "job_events_v1_jobs__job_id__events_get",
     "job_metrics_v1_jobs__job_id__metrics_get",
     "job_checkpoints_v1_jobs__job_id__checkpoints_get",
+    "delete_job_v1_jobs__job_id__delete",
 )
-DATASET_OPS = ("get_dataset_v1_datasets__dataset_id__get",)
+DATASET_OPS = ("get_dataset_v1_datasets__dataset_id__get", "delete_dataset_v1_datasets__dataset_id__delete")
 CHECKPOINT_OPS = (
     "checkpoint_v1_checkpoints__checkpoint_id__get",
     "archive_v1_checkpoints__checkpoint_id__archive_get",
+    "delete_checkpoint_v1_checkpoints__checkpoint_id__delete",
 )
+
+
+class Deleted(BaseModel):
+    """The answer to a DELETE: the id is gone, files first, then rows; it now answers 404."""
+
+    id: str
+    object: Literal["job", "dataset", "checkpoint"]
+    deleted: Literal[True] = True
 
 
 class ErrorBody(BaseModel):

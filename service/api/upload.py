@@ -20,7 +20,6 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from service.api.errors import ApiError
 
-
 # Chunks handed to the parsing thread at once: one thread hop per MiB instead of per 64 KiB chunk.
 _BATCH_BYTES = 1 << 20
 

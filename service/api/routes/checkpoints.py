@@ -18,6 +18,7 @@ from service.api.errors import ApiError, not_found
 from service.artifacts import ArtifactStore
 from service.crud.checkpoints import get_checkpoint
 from service.db.models import Checkpoint
+from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_row
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
@@ -39,6 +40,18 @@ def _checkpoint_or_404(db: DB, project_id: str, checkpoint_id: str) -> Checkpoin
 )
 def checkpoint(checkpoint_id: str, db: DB, project: CurrentProject) -> schemas.Checkpoint:
     return schemas.Checkpoint.model_validate(_checkpoint_or_404(db, project.id, checkpoint_id))
+
+
+@router.delete(
+    "/{checkpoint_id}",
+    response_model=schemas.Deleted,
+    responses=_ERRORS,
+    summary="Delete a checkpoint (its files, then its row)",
+)
+def delete_checkpoint(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+    delete_checkpoint_files_and_row(db, store, _checkpoint_or_404(db, project.id, checkpoint_id))
+    db.commit()
+    return schemas.Deleted(id=checkpoint_id, object="checkpoint")
 
 
 def _tar_plan(ckpt: Checkpoint) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:

@@ -18,7 +18,9 @@ from service.api.errors import ApiError, not_found
 from service.api.upload import SpooledFile, spool_multipart_file
 from service.artifacts import ArtifactStore
 from service.crud import datasets as crud
+from service.crud.jobs import jobs_using_dataset
 from service.db.models import Dataset, new_id
+from service.lifecycle import delete_dataset as delete_dataset_files_and_row
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -147,3 +149,26 @@ def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dat
     if row is None:
         raise not_found("dataset", dataset_id)
     return schemas.Dataset.model_validate(row)
+
+
+@router.delete(
+    "/{dataset_id}",
+    response_model=schemas.Deleted,
+    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    summary="Delete a dataset (its file, then its row)",
+    description="A dataset that a queued or running job will read answers 409 naming the job.",
+)
+def delete_dataset(dataset_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+    row = crud.get_dataset(db, project.id, dataset_id)
+    if row is None:
+        raise not_found("dataset", dataset_id)
+    if users := jobs_using_dataset(db, project.id, dataset_id):
+        raise ApiError(
+            409,
+            f"dataset {dataset_id} is used by unfinished job {users[0]}; cancel it or wait until it ends",
+            code="dataset_in_use",
+            param="dataset_id",
+        )
+    delete_dataset_files_and_row(db, store, row)
+    db.commit()
+    return schemas.Deleted(id=dataset_id, object="dataset")

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 
 from service.api import schemas
-from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions
+from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
 from service.api.errors import ApiError, not_found
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
@@ -24,6 +24,7 @@ from service.crud import idempotency, jobstate
 from service.crud import jobs as jobs_crud
 from service.crud import metrics as metrics_crud
 from service.db.models import Job
+from service.lifecycle import delete_job as delete_job_files_and_rows
 from service.paths import check_spec_paths
 from service.queue import enqueue_run
 
@@ -192,6 +193,27 @@ def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -
         db.refresh(job)
     db.refresh(job)
     return schemas.Job.model_validate(job)
+
+
+@router.delete(
+    "/{job_id}",
+    response_model=schemas.Deleted,
+    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    summary="Delete a finished job, its checkpoints and its files",
+    description="Only a succeeded, failed or cancelled job can be deleted (409 otherwise). Its published "
+    "checkpoints and work files are removed from the artifact store first, then its rows.",
+)
+def delete_job(job_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+    job = _job_or_404(db, project.id, job_id)
+    if not jobstate.is_terminal(job.status) or not delete_job_files_and_rows(db, store, job):
+        raise ApiError(
+            409,
+            f"job {job.id} is {job.status}; cancel it and wait until it ends before deleting it",
+            code="job_not_finished",
+            param="job_id",
+        )
+    db.commit()
+    return schemas.Deleted(id=job_id, object="job")
 
 
 def _drop_from_queue(redis: RedisConn, job_id: str) -> None:
