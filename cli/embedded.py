@@ -135,7 +135,8 @@ class EmbeddedStack:
         self.data_dir = self.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o700)
-        (self.data_dir / "logs").mkdir(exist_ok=True)
+        for sub in ("logs", "models", "projects"):
+            (self.data_dir / sub).mkdir(exist_ok=True)
         self._take_lock()
         if not _port_free(self.host, self.port):
             raise StackError(f"port {self.port} on {self.host} is in use; pick another with --port")
@@ -197,12 +198,13 @@ class EmbeddedStack:
             {
                 "PEAGLE_DATA_DIR": str(self.data_dir),
                 "PEAGLE_REDIS_URL": redis_url,
+                # Never the data dir itself (database, key file, every project's artifacts): models go in
+                # <data_dir>/models, a project's server files in <data_dir>/projects/<project id>/.
                 "PEAGLE_ALLOWED_MODEL_ROOTS": _roots(
-                    "PEAGLE_ALLOWED_MODEL_ROOTS", [self.data_dir, toy_cache_root()]
+                    "PEAGLE_ALLOWED_MODEL_ROOTS", [self.data_dir / "models", toy_cache_root()]
                 ),
-                "PEAGLE_ALLOWED_DATA_ROOTS": _roots(
-                    "PEAGLE_ALLOWED_DATA_ROOTS", [self.data_dir, toy_cache_root()]
-                ),
+                "PEAGLE_ALLOWED_DATA_ROOTS": _roots("PEAGLE_ALLOWED_DATA_ROOTS", [toy_cache_root()]),
+                "PEAGLE_PROJECT_FILES_ROOT": str(self.data_dir / "projects"),
                 "PYTHONUNBUFFERED": "1",
             }
         )

@@ -75,6 +75,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Server directories a spec's dataset.path and hidden_states.cache_uri may point into.",
     )
+    project_files_root: Path | None = Field(
+        default=None,
+        description="A directory whose `<project id>/` sub-directory is a data root for that project only "
+        "(dataset.path, hidden_states.cache_uri); `peagle up` sets it to <data_dir>/projects.",
+    )
     allow_hub: bool = Field(
         default=False, description="Allow Hugging Face hub ids (org/name) as verifier.name_or_path."
     )

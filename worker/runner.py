@@ -27,6 +27,7 @@ from service.crud.events import add_event
 from service.crud.jobs import ACTIVE_STATUSES, find_job
 from service.db.models import Job, new_id
 from service.db.session import session_factory
+from service.paths import check_spec_paths
 from service.settings import Settings
 from worker.cancel import JobMonitor
 from worker.job_io import Outcome, error_for, event_recorder, json_safe, write_event
@@ -189,6 +190,8 @@ class JobRunner:
     def _execute(self, job: Job, spec: JobSpec, monitor: JobMonitor, progress: ProgressWriter) -> Outcome:
         self.stage = "prepare"
         _check_verifier_path(spec)
+        # The operator may have narrowed the roots (or trust_remote_code) since the API accepted the job.
+        spec = check_spec_paths(spec, self.settings, prefix="", project_id=job.project_id)
         if spec.resources.gpus > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
         out_dir = self._work_dir()

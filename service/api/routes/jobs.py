@@ -71,8 +71,7 @@ def create_job(
     project: CurrentProject,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> schemas.Job:
-    spec = body.spec
-    check_spec_paths(spec, settings)
+    spec = check_spec_paths(body.spec, settings, project_id=project.id)
     if spec.dataset.id is not None and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
         raise ApiError(
             422, f"no dataset with id {spec.dataset.id!r}", code="dataset_not_found", param="spec.dataset.id"
