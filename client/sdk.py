@@ -9,7 +9,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
@@ -335,16 +335,34 @@ class PeagleClient:
         if on_total is not None:
             on_total(sum(int(f["size"]) for f in ckpt["files"]))
         out = Path(out_dir)
-        for f in ckpt["files"]:
+        targets = [_inside(out, f["name"]) for f in ckpt["files"]]  # all names checked before any write
+        for f, target in zip(ckpt["files"], targets, strict=True):
             self.download_file(
                 checkpoint_id,
                 f["name"],
-                out / f["name"],
+                target,
                 sha256=f["sha256"],
                 size=f["size"],
                 on_bytes=on_bytes,
             )
         return out
+
+
+def _inside(out: Path, name: object) -> Path:
+    """`out / name` for a plain relative file name from the server; ClientError for a name that would
+    write outside `out` (absolute, `..`, `~`, a backslash, a symlink out of `out`) whatever the server sent."""
+    ok = isinstance(name, str) and name and not name.startswith(("/", "~")) and "\\" not in name
+    parts = PurePosixPath(name).parts if ok else ()
+    if not ok or ".." in parts or "\x00" in name:
+        raise ClientError(
+            0, "integrity_error", "unsafe_file_name", f"the server sent an unsafe file name {name!r}"
+        )
+    target = out / PurePosixPath(name)
+    if not target.resolve().is_relative_to(out.resolve()):
+        raise ClientError(
+            0, "integrity_error", "unsafe_file_name", f"file {name!r} would be written outside {out}"
+        )
+    return target
 
 
 def _matches(path: Path, size: int, sha256: str) -> bool:

@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES
@@ -99,6 +99,11 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="How often a worker records that a running job is still alive."
     )
 
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="When set, /metrics shows the cross-project gauges (jobs by status, queue depth) only to "
+        "`Authorization: Bearer <token>`; HTTP traffic metrics stay public.",
+    )
     retention_days: float | None = Field(
         default=None,
         gt=0,

@@ -267,3 +267,16 @@ def test_deeply_nested_json_names_the_line() -> None:
     deep = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(DataError, match="line 2: JSON nested too deeply"):
         validate_jsonl(io.BytesIO(json.dumps({"messages": CONV}).encode() + b"\n" + deep + b"\n"))
+
+
+def test_prepared_data_key_follows_the_verifiers_content(toy_verifier_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from peagle_core.data.prepare import verifier_data_fingerprint
+
+    copy = tmp_path / "same-verifier-other-name"
+    shutil.copytree(toy_verifier_dir, copy)
+    assert verifier_data_fingerprint(copy) == verifier_data_fingerprint(toy_verifier_dir)
+    # Other content (a new chat template changes every assistant mask): not the same prepared data.
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert verifier_data_fingerprint(copy) != verifier_data_fingerprint(toy_verifier_dir)
