@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from service.api import errors
 from service.api.limits import BodyLimitMiddleware
+from service.api.quotas import StreamSlots
 from service.api.routes import checkpoints, datasets, health, jobs
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
@@ -62,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.state.store = store
     app.state.metrics = Metrics()
+    app.state.streams = StreamSlots(settings.max_streams_per_key)
     app.state.metrics.track_state(
         functools.partial(_job_counts, app.state.sessions), functools.partial(_queue_depths, app.state.redis)
     )

@@ -104,6 +104,12 @@ class Settings(BaseSettings):
         description="When set, /metrics shows the cross-project gauges (jobs by status, queue depth) only to "
         "`Authorization: Bearer <token>`; HTTP traffic metrics stay public.",
     )
+    max_streams_per_key: int = Field(
+        default=8,
+        ge=1,
+        le=10000,
+        description="Open event streams (SSE) one API key may hold per API process (more: 429).",
+    )
     retention_days: float | None = Field(
         default=None,
         gt=0,

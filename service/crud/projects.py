@@ -52,6 +52,12 @@ def project_for_key(session: Session, key: str) -> Project | None:
     )
 
 
+def key_is_live(session: Session, key_hash: str) -> bool:
+    """Whether the key with this hash exists and is not revoked (an open event stream re-checks it)."""
+    row = session.scalar(select(ApiKey.revoked_at.is_(None)).where(ApiKey.key_hash == key_hash))
+    return bool(row)
+
+
 def list_keys(session: Session, project_name: str | None = None) -> list[tuple[ApiKey, str]]:
     """Every key (live and revoked) with its project's name, oldest first; optionally of one project."""
     query = select(ApiKey, Project.name).join(Project, ApiKey.project_id == Project.id)

@@ -15,6 +15,7 @@ from peagle_core.errors import DataError
 from service.api import schemas
 from service.api.deps import DB, AppSettings, CurrentProject, Store
 from service.api.errors import ApiError, not_found
+from service.api.quotas import check_storage
 from service.api.upload import SpooledFile, spool_multipart_file
 from service.artifacts import ArtifactStore
 from service.crud import datasets as crud
@@ -56,6 +57,7 @@ def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
     responses={
         **_ERRORS,
         201: schemas.id_links("dataset_id", *schemas.DATASET_OPS),
+        403: {"model": schemas.ErrorEnvelope},
         413: {"model": schemas.ErrorEnvelope},
         415: {"model": schemas.ErrorEnvelope},
         422: {"model": schemas.ErrorEnvelope},
@@ -74,6 +76,10 @@ async def upload_dataset(
     project: CurrentProject,
     format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
 ) -> schemas.Dataset:
+    declared = request.headers.get("content-length", "")
+    # The declared length includes the multipart framing (well under 64 KiB).
+    check_storage(db, project.id, max(0, int(declared) - (64 << 10)) if declared.isdigit() else 0)
+    db.rollback()  # end the read transaction before the (long) upload
     spool_dir = Path(settings.data_dir) / "tmp"
     spool_dir.mkdir(parents=True, exist_ok=True)
     spooled = await spool_multipart_file(
@@ -99,6 +105,7 @@ def _store_and_record(
         report = validate_jsonl(spooled.path, fmt=fmt, max_line_bytes=max_line_bytes)
     except DataError as exc:
         raise ApiError(422, exc.message, code=exc.code, param="file") from None
+    check_storage(db, project_id, spooled.size)
     dataset_id = new_id("ds")
     key = f"datasets/{dataset_id}/data.jsonl"
     sha, size = store.write_stream(key, _chunks(spooled.path))
