@@ -54,6 +54,7 @@ def test_delete_dataset_job_and_checkpoint(
     assert r.status_code == 409 and r.json()["error"]["code"] == "job_not_finished"
     assert client.delete(f"/v1/jobs/{job['id']}", headers=other_auth).status_code == 404
     assert client.delete(f"/v1/checkpoints/{ckpt_id}", headers=other_auth).status_code == 404
+    assert client.delete(f"/v1/datasets/{ds['id']}", headers=other_auth).status_code == 404
     assert client.post(f"/v1/jobs/{job['id']}/cancel", headers=auth).json()["status"] == "cancelled"
 
     stored = Path(settings.artifact_root) / "datasets" / ds["id"]
