@@ -76,10 +76,11 @@ async def upload_dataset(
     project: CurrentProject,
     format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
 ) -> schemas.Dataset:
+    project_id = project.id
     declared = request.headers.get("content-length", "")
     # The declared length includes the multipart framing (well under 64 KiB).
-    check_storage(db, project.id, max(0, int(declared) - (64 << 10)) if declared.isdigit() else 0)
-    db.rollback()  # end the read transaction before the (long) upload
+    adding = max(0, int(declared) - (64 << 10)) if declared.isdigit() else 0
+    await run_in_threadpool(_refuse_early_if_over_cap, db, project_id, adding)
     spool_dir = Path(settings.data_dir) / "tmp"
     spool_dir.mkdir(parents=True, exist_ok=True)
     spooled = await spool_multipart_file(
@@ -87,12 +88,19 @@ async def upload_dataset(
     )
     try:
         row = await run_in_threadpool(
-            _store_and_record, store, db, project.id, spooled, format, settings.max_line_bytes
+            _store_and_record, store, db, project_id, spooled, format, settings.max_line_bytes
         )
     finally:
         with contextlib.suppress(OSError):
             spooled.path.unlink()
     return schemas.Dataset.model_validate(row)
+
+
+def _refuse_early_if_over_cap(db: DB, project_id: str, adding: int) -> None:
+    try:
+        check_storage(db, project_id, adding)
+    finally:
+        db.rollback()  # no transaction stays open during the (long) upload
 
 
 def _store_and_record(
