@@ -3,7 +3,8 @@
 Serves the API with uvicorn in a subprocess (SQLite in a scratch data dir; an upload needs no Redis),
 uploads a generated JSONL file of `--size-mb` MiB with httpx (streamed multipart), samples the server's RSS
 every 20 ms meanwhile, and prints one JSON object per measurement. Target: a 1 GiB upload raises the API's
-peak RSS by at most 150 MB.
+peak RSS by at most 150 MB. A second upload of one 20 MB line (over PEAGLE_MAX_LINE_BYTES) shows a long
+line is refused without being parsed (before the bounded reader it cost ~240 MB).
 
     python bench/upload.py --size-mb 1024
 """
@@ -19,12 +20,11 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def emit(**fields: object) -> None:
@@ -122,17 +122,18 @@ def main() -> None:
                 small = b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
                 r = client.post("/v1/datasets", files={"file": ("w.jsonl", small)}, headers=headers)
                 r.raise_for_status()
-                sampler = RssSampler(server.pid)
-                idle = sampler.rss()
-                sampler.start()
-                t0 = time.perf_counter()
-                with open(source, "rb") as f:
-                    r = client.post("/v1/datasets", files={"file": ("big.jsonl", f)}, headers=headers)
-                elapsed = time.perf_counter() - t0
-                sampler.done.set()
-                sampler.join()
-                r.raise_for_status()
-                assert r.json()["num_records"] == rows, r.text
+                big = _measured_upload(client, headers, server.pid, source)
+                assert big.response.status_code == 201 and big.response.json()["num_records"] == rows, (
+                    big.response.text
+                )
+                # One 20 MB line (over PEAGLE_MAX_LINE_BYTES): refused naming the line, never parsed whole.
+                long_line = Path(tmp) / "long-line.jsonl"
+                turn = {"role": "assistant", "content": "x" * (20 << 20)}
+                long_line.write_text(
+                    json.dumps({"messages": [{"role": "user", "content": "q"}, turn]}) + "\n"
+                )
+                long = _measured_upload(client, headers, server.pid, long_line)
+                assert long.response.status_code == 422, long.response.text
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -140,18 +141,48 @@ def main() -> None:
         emit(
             bench="upload",
             metric="peak_rss_increase_mb",
-            value=round((sampler.peak - idle) / 1e6, 1),
+            value=big.peak_increase_mb,
             target_max=150,
             upload_mb=round(mb, 1),
-            idle_rss_mb=round(idle / 1e6, 1),
+            idle_rss_mb=big.idle_mb,
         )
         emit(
             bench="upload",
             metric="throughput_mb_s",
-            value=round(mb / elapsed, 1),
+            value=round(mb / big.seconds, 1),
             upload_mb=round(mb, 1),
-            seconds=round(elapsed, 2),
+            seconds=round(big.seconds, 2),
         )
+        emit(
+            bench="upload",
+            metric="long_line_peak_rss_increase_mb",
+            value=long.peak_increase_mb,
+            line_mb=round(long_line.stat().st_size / 1e6, 1),
+            status=long.response.status_code,
+            error=long.response.json()["error"]["message"],
+        )
+
+
+@dataclass
+class Measured:
+    response: httpx.Response
+    seconds: float
+    idle_mb: float
+    peak_increase_mb: float
+
+
+def _measured_upload(client: httpx.Client, headers: dict[str, str], pid: int, path: Path) -> Measured:
+    """Upload `path` while sampling the API's RSS; peak increase over its level just before."""
+    sampler = RssSampler(pid)
+    idle = sampler.rss()
+    sampler.start()
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        response = client.post("/v1/datasets", files={"file": (path.name, f)}, headers=headers)
+    elapsed = time.perf_counter() - t0
+    sampler.done.set()
+    sampler.join()
+    return Measured(response, elapsed, round(idle / 1e6, 1), round((max(sampler.peak, idle) - idle) / 1e6, 1))
 
 
 if __name__ == "__main__":

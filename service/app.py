@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from service.api import errors
-from service.api.limits import BodyLimitMiddleware
+from service.api.body_limit import BodyLimitMiddleware
 from service.api.quotas import StreamSlots
 from service.api.routes import checkpoints, datasets, health, jobs
 from service.artifacts import ArtifactStore
