@@ -115,6 +115,11 @@ class EvaluationSpec(_Strict):
     speculative_tokens: list[int] | None = Field(
         default=None, description="K values to evaluate; default [num_depths]."
     )
+    engine: Literal["auto", "peagle", "vllm", "both"] = Field(
+        default="auto",
+        description="Who measures acceptance length: our decoder (`peagle`), vLLM's spec-decode counters "
+        "(`vllm`) or `both`; `auto` is `both` where vLLM is installed, else `peagle`.",
+    )
 
     @field_validator("prompts")
     @classmethod
@@ -139,6 +144,11 @@ class ExportSpec(_Strict):
     dtype: Literal["bf16", "fp32"] = Field(
         default="bf16",
         description="Weights dtype of the exported checkpoint (speculators checkpoints are bf16).",
+    )
+    vllm_check: bool = Field(
+        default=True,
+        description="Load the checkpoint in vLLM and check its greedy output before publishing, where vLLM "
+        "is installed (elsewhere it is published `unverified`).",
     )
 
 
