@@ -1,6 +1,6 @@
-"""Interop both ways: each drafter layer family we write serves in real vLLM with output unchanged, and a
-checkpoint speculators 0.9.0 saved loads into our drafter for evaluation and continued training
-(`model.init_from`).
+"""Interop both ways: each drafter layer family we write serves in real vLLM with output unchanged;
+speculators 0.9.0 loads our export, and a checkpoint its own save path wrote loads into our drafter for
+evaluation and continued training (`model.init_from`).
 
 One qwen3 drafter is trained through the job spec for a few steps (the module fixture); the llama family
 is the default every other serving test trains.
@@ -152,10 +152,17 @@ def save_with_speculators(model: PEagleDraftModel, verifier_dir: Path, out: Path
     return out
 
 
-def test_a_speculators_saved_checkpoint_evaluates_and_trains(
+def test_speculators_reads_our_export_and_we_evaluate_and_train_from_its_save(
     tmp_path, qwen3_drafter, toy_verifier, toy_verifier_dir, toy_dataset_path, serving_prompts
 ) -> None:
-    model, _ = qwen3_drafter
+    from speculators.models.peagle import PEagleDraftModel as SpeculatorsPEagle
+
+    model, export_dir = qwen3_drafter
+    # The other way first: speculators' own loader reads our export, tensor for tensor.
+    theirs = SpeculatorsPEagle.from_pretrained(str(export_dir)).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(theirs[name], tensor), name
+
     saved = save_with_speculators(model, toy_verifier_dir, tmp_path / "speculators")
 
     loaded = PEagleDraftModel.from_pretrained(saved).eval()
