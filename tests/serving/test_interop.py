@@ -23,6 +23,16 @@ from tests.fixtures.vllm import SERVING_NEW_TOKENS
 K = 3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Our side runs torch on one thread, as tests/core does: these tensors are tiny, and extra intra-op
+    threads on a shared 2-core machine slow evaluation and training 10-40x (vLLM has its own process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def job(verifier_dir: Path, data_path: Path, *, model: dict, **training) -> dict:
     """A short job on the toy verifier: fp32 export, no in-training evaluation (the tests evaluate)."""
     return {
