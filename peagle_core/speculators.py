@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from peagle_core.config import PEagleConfig
+from peagle_core.config import PEagleConfig, text_rope_parameters
 from peagle_core.errors import CheckpointError
 from peagle_core.io import atomic_dir
 
@@ -170,10 +171,19 @@ def _lookup(cfg: Any, path: tuple[str, ...]) -> Any:
     return node
 
 
+def _with_rope_parameters(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`cfg` with a layer config saved before transformers 5 (`rope_theta`, `rope_scaling`; published
+    speculators checkpoints have them) given the flat `rope_parameters` it means."""
+    layer = cfg.get(LAYER)
+    if not isinstance(layer, Mapping) or "rope_parameters" in layer or "rope_theta" not in layer:
+        return cfg
+    return {**cfg, LAYER: {**layer, "rope_parameters": text_rope_parameters(SimpleNamespace(**layer))}}
+
+
 def config_from_json(cfg: Mapping[str, Any], *, path: str | None = None) -> PEagleConfig:
     """The `PEagleConfig` a config.json describes (ours, or one speculators saved); CheckpointError naming
     each missing, bad or unsupported field."""
-    values, missing = read_config_fields(cfg)
+    values, missing = read_config_fields(_with_rope_parameters(cfg))
     problems = [f"{CONFIG_NAME}: missing required field {f.name!r}" for f in missing]
     problems += unsupported_settings(cfg)
     if problems:

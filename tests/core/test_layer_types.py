@@ -104,3 +104,16 @@ def test_spec_fields_layer_type_and_init_from() -> None:
     with pytest.raises(SpecError) as info:
         parse_spec(base | {"model": {"init_from": "x" * 5000}})
     assert info.value.errors[0][0] == "model.init_from"
+
+
+def test_a_layer_config_saved_before_transformers_5_gives_its_rope_parameters(tmp_path: Path) -> None:
+    path = _export(tmp_path, "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    layer = cfg["transformer_layer_config"]
+    del layer["rope_parameters"]
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    layer |= {"rope_theta": 500000.0, "rope_scaling": scaling}
+    (path / "config.json").write_text(json.dumps(cfg))
+    rope = PEagleDraftModel.from_pretrained(path).config.rope_parameters
+    assert rope == {**scaling, "rope_theta": 500000.0}
