@@ -197,8 +197,9 @@ def test_speculators_reads_our_export_and_we_evaluate_and_train_from_its_save(
 def test_init_from_errors_name_the_field(tmp_path, qwen3_drafter, toy_verifier_dir, toy_dataset_path) -> None:
     _, export_dir = qwen3_drafter
 
-    def failure(**model) -> CheckpointError:
+    def failure(layer_ids: list[int] | None = None, **model) -> CheckpointError:
         spec = parse_spec(job(toy_verifier_dir, toy_dataset_path, model=model, max_steps=1))
+        spec.verifier.layer_ids = layer_ids
         with pytest.raises(CheckpointError) as info:
             train(spec, tmp_path / "job", resume=False)
         return info.value
@@ -209,3 +210,5 @@ def test_init_from_errors_name_the_field(tmp_path, qwen3_drafter, toy_verifier_d
     assert err.param == "model.num_layers" and "checkpoint's is 1" in err.message
     err = failure(init_from=str(export_dir), layer_type="llama")
     assert err.param == "model.layer_type"
+    err = failure(init_from=str(export_dir), layer_ids=[1, 2, 3])
+    assert err.param == "verifier.layer_ids" and "verifier layers [0, 2, 3]" in err.message
