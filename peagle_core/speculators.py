@@ -1,7 +1,8 @@
 """The speculators checkpoint format on disk: file names, config.json <-> `PEagleConfig`, the tensor list.
 
 `CONFIG_FIELDS` maps every `PEagleConfig` field to its place in config.json; writing (`config_json`)
-and reading (`read_config_fields`, `read_checkpoint`) both go through it. The contract is
+and reading (`read_config_fields`, `read_checkpoint`) both go through it. Reading also accepts what
+speculators' own save path writes, and refuses by name the settings this drafter does not implement. The contract is
 docs/architecture.md, Checkpoint contract; `peagle_core.validate` checks a directory against it.
 """
 
