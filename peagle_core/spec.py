@@ -80,6 +80,13 @@ class ModelSpec(DrafterSettings, _Strict):
         ge=2,
         description="Capped at the verifier's vocabulary; null means the full vocabulary.",
     )
+    init_from: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="A P-EAGLE checkpoint directory (ours or speculators') to start training from; its "
+        "architecture and draft vocabulary are kept, and the init_*_from_verifier options do not apply.",
+    )
     init_embeddings_from_verifier: bool = True
     init_lm_head_from_verifier: bool = Field(
         default=True,
