@@ -48,6 +48,8 @@ def test_file_uris_are_normalised_and_tilde_refused(paths_settings, tmp_path: Pa
     assert spec.verifier.name_or_path == str(model) and spec.dataset.path == str(data)
     spec = _check(paths_settings, _spec(model, path=f"file://localhost{tmp_path}/link/chat.jsonl"))
     assert spec.dataset.path == str(data)  # the symlink is resolved: the worker uses what was checked
+    init = {**_spec(model, path=str(data)), "model": {"init_from": f"file://{tmp_path}/models/../models/v"}}
+    assert _check(paths_settings, init).model.init_from == str(model)
     assert "not expanded" in _param(paths_settings, _spec(model, path="~/chat.jsonl"))
     assert "only file:///" in _param(paths_settings, _spec(model, path=f"file://evil.example{data}"))
     assert "verifier.name_or_path" in _param(paths_settings, _spec(Path("~root/models"), path=str(data)))
