@@ -121,6 +121,7 @@ class EmbeddedStack:
     stop_timeout_s: float = 120.0
     children: list[Child] = field(default_factory=list)
     api_key: str = ""
+    files_dir: Path | None = None  # the local project's server files area (dataset.path, cache_uri)
     _redis: object | None = None
     _env: dict[str, str] = field(default_factory=dict)
     _lock_fd: int | None = None
@@ -151,6 +152,7 @@ class EmbeddedStack:
 
         upgrade(settings.database_url)
         self.api_key = ensure_local_key(self.data_dir, settings.database_url)
+        self.files_dir = _project_files_dir(self.data_dir, settings.database_url, self.api_key)
         logs = self.data_dir / "logs"
         self.children = [
             Child(
@@ -251,6 +253,19 @@ class EmbeddedStack:
             os.close(self._lock_fd)
             self._lock_fd = None
         return codes
+
+
+def _project_files_dir(data_dir: Path, database_url: str, key: str) -> Path:
+    """`<data_dir>/projects/<project id>/`, created: the one data directory the local project may name."""
+    from service.crud.projects import project_for_key
+    from service.db.session import session_scope
+
+    with session_scope(database_url) as session:
+        project = project_for_key(session, key)
+        assert project is not None  # ensure_local_key just checked or created it
+        path = data_dir / "projects" / project.id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def ensure_local_key(data_dir: Path, database_url: str) -> str:
