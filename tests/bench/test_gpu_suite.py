@@ -1,0 +1,121 @@
+"""bench/gpu_suite.py stays runnable: its CPU dry run end to end, and the stage runner's skip and
+time-cap rules (the parts a GPU window cannot afford to debug)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "gpu_suite.py"
+
+
+def _load_suite_module() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_suite", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("suite_out")
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--toy-verifier", str(toy_verifier_dir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {"proc": proc, "lines": lines, "by_check": {x["check"]: x for x in lines}, "out": out}
+
+
+def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
+    proc, checks = dry_run["proc"], dry_run["by_check"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert checks["summary"]["status"] == "ok" and not checks["summary"]["failed"]
+
+    pre = checks["preflight"]
+    assert pre["cuda_available"] is False and pre["torch"] and pre["flex_attention"] is True
+    assert pre["capabilities"]["peagle_core"] is True
+    assert checks["gemm_peak"]["peak_tflops"] > 0
+
+    cuda = checks["cuda_tests"]  # no GPU here: the selection is collected, not run
+    assert cuda["status"] == "skipped" and "no CUDA device" in cuda["reason"] and cuda["collected"] >= 4
+
+    assert checks["overfit"]["status"] == "ok"
+    assert checks["overfit"]["last_loss"] <= 0.15 * checks["overfit"]["first_loss"]
+    lossless = checks["lossless_eval"]
+    assert lossless["status"] == "ok" and lossless["mismatched_prompts"] == [] and lossless["prompts"] > 0
+
+    for seq in (64, 128):
+        for name in ("cache_build", "cached_step", "online_step"):
+            line = checks[f"{name}@{seq}"]
+            assert line["status"] == "ok", line
+            assert line["tokens_per_s"] > 0 and line["mfu"] > 0, line
+        assert checks[f"cached_step@{seq}"]["loader_tokens_per_s"] > 0
+    hybrid = checks["hybrid_epoch@64"]
+    assert hybrid["status"] == "ok"
+    assert hybrid["epoch0"]["cache_misses"] > 0 and hybrid["epoch0"]["cache_hits"] == 0
+    assert hybrid["epoch1"]["cache_hits"] == hybrid["epoch0"]["cache_misses"]
+    assert hybrid["epoch1"]["verifier_calls"] == 0
+
+
+def test_dry_run_writes_its_lines_to_out(dry_run: dict[str, Any]) -> None:
+    written = (dry_run["out"] / "gpu_suite.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in written] == dry_run["lines"]
+
+
+def test_a_missing_piece_skips_only_the_checks_that_need_it(tmp_path: Path) -> None:
+    gs = _load_suite_module()
+    suite = gs.Suite(budget_s=60, out_path=tmp_path / "s.jsonl")
+    suite.have("vllm_cuda", False, "vllm is not installed")
+    suite.have("device", True)
+    ran = []
+    suite.stage("needs_vllm", lambda cap: ran.append("vllm") or {}, needs=("device", "vllm_cuda"))
+    suite.stage("plain", lambda cap: ran.append("plain") or {"figure": 1}, needs=("device",))
+    suite.stage("unknown", lambda cap: ran.append("unknown") or {}, needs=("speculators",))
+    lines = {x["check"]: x for x in map(json.loads, (tmp_path / "s.jsonl").read_text().splitlines())}
+    assert ran == ["plain"]
+    assert lines["needs_vllm"]["status"] == "skipped"
+    assert lines["needs_vllm"]["reason"] == "vllm_cuda: vllm is not installed"
+    assert lines["plain"] == {
+        "check": "plain",
+        "status": "ok",
+        "seconds": lines["plain"]["seconds"],
+        "figure": 1,
+    }
+    assert lines["unknown"]["status"] == "skipped" and "speculators" in lines["unknown"]["reason"]
+    assert suite.summary() == 0  # skips are not failures
+
+
+def test_a_stage_stops_at_its_cap_and_the_next_one_runs(tmp_path: Path) -> None:
+    gs = _load_suite_module()
+    suite = gs.Suite(budget_s=60)
+
+    def spin(cap: float) -> dict[str, Any]:
+        while True:  # a stage that never returns on its own
+            pass
+
+    def fail(cap: float) -> dict[str, Any]:
+        raise gs.CheckFailed("wrong answer", got=2)
+
+    suite.stage("spin", spin, cap=0.3)
+    suite.stage("fail", fail)
+    suite.stage("after", lambda cap: {"ran": True})
+    assert suite.results == {"spin": "timeout", "fail": "failed", "after": "ok"}
+    assert suite.summary() == 1
+
+
+def test_stages_past_the_deadline_are_skipped_as_out_of_time() -> None:
+    gs = _load_suite_module()
+    suite = gs.Suite(budget_s=1)
+    result = suite.stage("late", lambda cap: {"ran": True})
+    assert result is None and suite.results == {"late": "skipped"}
