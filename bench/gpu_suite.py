@@ -140,7 +140,7 @@ CAPS = {
     "cached_step": 60,
     "online_step": 60,
     "hybrid_epoch": 50,
-    "speculators_step": 60,
+    "speculators_step": 90,  # its forward is torch.compile'd on CUDA
 }
 MIN_STAGE_S = 8
 OVERFIT_RATIO = 0.15  # the CPU dry run reaches ~0.09 in 120 steps at lr 1e-2  # a stage that would get less than this is skipped as out of time
@@ -444,6 +444,7 @@ class Context:
     verifier: Any = None  # the random-weight real-scale Verifier
     datasets: dict[int, Any] = field(default_factory=dict)  # seq_len -> PreparedDataset
     caches: dict[int, Path] = field(default_factory=dict)  # seq_len -> complete cache dir
+    figures: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)  # for ratios
 
     @property
     def autocast(self) -> Any:
@@ -894,10 +895,9 @@ def _bins(ctx: Context, spec: Any, dataset: Any, epoch: int = 0) -> list[list[in
     return epoch_bins(list(range(len(dataset))), list(dataset.lengths), spec, epoch, DistInfo())
 
 
-def cached_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
-    """The training step from cached hidden states: device-resident batches (the step alone), then
-    through the prefetching loader reading the cache (what a job sees)."""
-    from peagle_core.hidden_states import BatchLoader, make_source
+def _offline_bins(ctx: Context, seq_len: int) -> tuple[Any, Any, Any, list[list[int]]]:
+    """(dataset, spec, offline source, the rows to time) over the cache `cache_build` wrote."""
+    from peagle_core.hidden_states import make_source
 
     if seq_len not in ctx.caches:
         raise Skip(f"no complete cache for seq {seq_len} (cache_build@{seq_len} did not finish)")
@@ -910,13 +910,28 @@ def cached_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
         cache_dir=ctx.caches[seq_len],
         fingerprint=_fingerprint(ctx, dataset),
     )
-    bins = _bins(ctx, spec, dataset)[: ctx.shapes.warmup + ctx.shapes.steps]
+    return dataset, spec, source, _bins(ctx, spec, dataset)[: ctx.shapes.warmup + ctx.shapes.steps]
+
+
+def _resident(ctx: Context, dataset: Any, source: Any, bins: list[list[int]], seq_len: int) -> list[Any]:
+    from peagle_core.hidden_states import BatchLoader
+
+    with contextlib.closing(iter(BatchLoader(dataset, source, bins, total_seq_len=seq_len))) as it:
+        return [b.to(ctx.device) for b in it]
+
+
+def cached_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
+    """The training step from cached hidden states: device-resident batches (the step alone), then
+    through the prefetching loader reading the cache (what a job sees)."""
+    from peagle_core.hidden_states import BatchLoader
+
+    dataset, spec, source, bins = _offline_bins(ctx, seq_len)
     run = make_trainer(spec, ctx.verifier, dataset, source, ctx.device, ctx.work / "run", [], 1000)
     end = time.monotonic() + 0.45 * cap_s
-    with contextlib.closing(iter(BatchLoader(dataset, source, bins, total_seq_len=seq_len))) as it:
-        resident = [b.to(ctx.device) for b in it]
-    step = _timed_steps(ctx, run, iter(resident), ctx.shapes.steps, seq_len, end)
-    del resident
+    step = _timed_steps(
+        ctx, run, iter(_resident(ctx, dataset, source, bins, seq_len)), ctx.shapes.steps, seq_len, end
+    )
+    ctx.figures[("cached_step", seq_len)] = step
     end = time.monotonic() + 0.4 * cap_s
     with contextlib.closing(iter(BatchLoader(dataset, source, bins, total_seq_len=seq_len))) as it:
         loaded = _timed_steps(ctx, run, it, ctx.shapes.steps, seq_len, end)
@@ -1004,9 +1019,108 @@ def hybrid_epoch(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ speculators
 
 
+def speculators_model(ctx: Context, dataset: Any) -> Any:
+    """speculators' P-EAGLE drafter of our drafter's shape, its verifier-derived weights copied from our
+    random verifier (speculators reads them from disk; ours exist only on the device)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig
+
+    s, verifier = ctx.shapes, ctx.verifier
+    layer = LlamaConfig(**{**s.verifier, "num_hidden_layers": s.num_layers})
+    # Its FlexAttention path on CUDA; on the CPU (dry run) FlexAttention has no backward, so SDPA.
+    layer._attn_implementation = "simple_flex_attention" if ctx.device.type == "cuda" else "sdpa"
+    proposal = GreedyTokenProposalConfig(speculative_tokens=s.num_depths)
+    config = PEagleSpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=s.draft_vocab_size,
+        norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=list(verifier.layer_ids),
+        mask_token_id=dataset.mask_token_id,
+        speculators_config=SpeculatorsConfig(
+            algorithm="peagle",
+            proposal_methods=[proposal],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=verifier.name_or_path, architectures=["LlamaForCausalLM"]),
+        ),
+    )
+    torch.manual_seed(0)
+    model = PEagleDraftModel(config)
+    model.load_vocab_mappings(dataset.t2d, dataset.d2t)
+    with torch.no_grad():
+        rows = verifier.lm_head_weight.detach()[dataset.t2d.to(verifier.device)].float().cpu()
+        model.embed_tokens.weight.copy_(verifier.embed_weight.detach().float().cpu())
+        model.lm_head.weight.copy_(rows)
+        model.verifier_lm_head.weight.copy_(rows)
+        model.verifier_norm.weight.copy_(verifier.final_norm.weight.detach().float().cpu())
+    return model.to(ctx.device)
+
+
 def speculators_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
-    """The same training step in speculators' P-EAGLE (FlexAttention) on the same cached batches."""
-    raise Skip("not wired yet")
+    """speculators' P-EAGLE training step (its trainer's: bf16 autocast, backward, clip, AdamW) on the
+    same cached rows as `cached_step`, and its tokens/s as a ratio of ours."""
+    dataset, _spec, source, bins = _offline_bins(ctx, seq_len)
+    model = speculators_model(ctx, dataset).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    s = ctx.shapes
+    from speculators.losses import resolve_loss_config
+
+    # Its default fused KL is a Triton kernel (CUDA only); the CPU dry run takes its eager twin.
+    loss = resolve_loss_config("kl_div", "fused" if ctx.device.type == "cuda" else "eager")
+    kwargs = {
+        "num_depths": s.num_depths,
+        "down_sample_ratio": s.down_sample_ratio,
+        "down_sample_ratio_min": s.down_sample_ratio_min,
+        "loss_config": loss,
+    }
+    keys = (
+        "hidden_states",
+        "input_ids",
+        "document_ids",
+        "loss_mask",
+        "position_ids",
+        "verifier_last_hidden_states",
+    )
+
+    def step(batch: Any) -> float:
+        with ctx.autocast if ctx.autocast is not None else contextlib.nullcontext():
+            _, loss, _metrics = model(**{k: getattr(batch, k) for k in keys}, **kwargs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return float(loss)
+
+    batches = iter(_resident(ctx, dataset, source, bins, seq_len))
+    for _ in range(s.warmup):
+        step(next(batches))
+    _reset_peak(ctx.device)
+    end = time.monotonic() + 0.8 * cap_s
+    elapsed, tokens, steps, loss = 0.0, 0, 0, None
+    for batch in batches:
+        if steps and time.monotonic() > end:
+            break
+        _sync(ctx.device)
+        t0 = time.perf_counter()
+        loss = step(batch)
+        _sync(ctx.device)
+        elapsed += time.perf_counter() - t0
+        tokens, steps = tokens + batch.num_tokens, steps + 1
+    ours = ctx.figures.get(("cached_step", seq_len))
+    rate = tokens / elapsed
+    return {
+        "seq_len": seq_len,
+        "steps": steps,
+        "tokens_per_s": round(rate, 1),
+        "step_s": round(elapsed / steps, 4),
+        "loss": round(loss, 4),
+        "attention": model.config.transformer_layer_config._attn_implementation,
+        "note": "speculators keeps lm_head frozen; ours trains it",
+        "ours_tokens_per_s": ours["tokens_per_s"] if ours else None,
+        "ours_over_speculators": round(ours["tokens_per_s"] / rate, 3) if ours else None,
+        **_memory(ctx.device),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -66,6 +66,9 @@ def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
     assert hybrid["epoch0"]["cache_misses"] > 0 and hybrid["epoch0"]["cache_hits"] == 0
     assert hybrid["epoch1"]["cache_hits"] == hybrid["epoch0"]["cache_misses"]
     assert hybrid["epoch1"]["verifier_calls"] == 0
+    for seq in (64, 128):  # speculators' step on the same rows, as a ratio of ours
+        side = checks[f"speculators_step@{seq}"]
+        assert side["status"] == "ok" and side["tokens_per_s"] > 0 and side["ours_over_speculators"] > 0
 
 
 def test_dry_run_writes_its_lines_to_out(dry_run: dict[str, Any]) -> None:
