@@ -1,5 +1,5 @@
 """bench/gpu_suite.py stays runnable: its CPU dry run end to end, and the stage runner's skip and
-time-cap rules (the parts a GPU window cannot afford to debug)."""
+time-cap rules (bench/_suite.py: the parts a GPU window cannot afford to debug)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ SCRIPT = ROOT / "bench" / "gpu_suite.py"
 
 
 def _load_suite_module() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
+    """bench/_suite.py, the stage runner (bench/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("_suite", ROOT / "bench" / "_suite.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_suite", module)  # dataclasses look their module up there
+    sys.modules.setdefault("_suite", module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
