@@ -57,11 +57,11 @@ def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
     assert lossless["status"] == "ok" and lossless["mismatched_prompts"] == [] and lossless["prompts"] > 0
 
     for seq in (64, 128):
-        for name in ("cache_build", "cached_step", "online_step"):
+        for name in ("cache_build", "cached_step", "cached_loader", "online_step"):
             line = checks[f"{name}@{seq}"]
             assert line["status"] == "ok", line
             assert line["tokens_per_s"] > 0 and line["mfu"] > 0, line
-        assert checks[f"cached_step@{seq}"]["loader_tokens_per_s"] > 0
+        assert checks[f"cached_loader@{seq}"]["tokens_per_s"] > 0
     hybrid = checks["hybrid_epoch@64"]
     assert hybrid["status"] == "ok"
     assert hybrid["epoch0"]["cache_misses"] > 0 and hybrid["epoch0"]["cache_hits"] == 0
