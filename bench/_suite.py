@@ -121,11 +121,15 @@ class Suite:
         *,
         needs: Sequence[str] = (),
         cap: float | None = None,
+        always: bool = False,
     ) -> dict[str, Any] | None:
-        """Run `fn(cap_seconds)` unless its needs are missing or time is up; emit its status line."""
+        """Run `fn(cap_seconds)` unless its needs are missing or time is up; emit its status line.
+
+        With `only`, stages whose names start with none of its prefixes are left out silently, except
+        `always` ones (what every other stage builds on)."""
         check = name
         base = name.split("@")[0]
-        if self.only and not any(base.startswith(o) or name.startswith(o) for o in self.only):
+        if self.only and not always and not any(name.startswith(o) for o in self.only):
             return None
         missing = self.missing(needs)
         if missing or self.left() < MIN_STAGE_S:

@@ -560,7 +560,7 @@ def build_verifier(ctx: Context) -> dict[str, Any]:
         model = LlamaForCausalLM._from_config(config, dtype=dtype)
     model.eval().requires_grad_(False)
     _sync(ctx.device)
-    ctx.verifier = Verifier(model, None, "random-llama-3.1-8b-shape")
+    ctx.verifier = Verifier(model, None, f"random-llama-{config.num_hidden_layers}x{config.hidden_size}")
     params = sum(p.numel() for p in model.parameters())
     return {
         "params_b": round(params / 1e9, 3),
@@ -983,7 +983,7 @@ def run_suite(args: argparse.Namespace) -> int:
 
 def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
     dry = args.dry_run
-    info = suite.stage("preflight", lambda _cap: preflight(suite, dry))
+    info = suite.stage("preflight", lambda _cap: preflight(suite, dry), always=True)
     if info is None:
         return suite.summary()
     device = torch.device("cpu" if dry or not torch.cuda.is_available() else "cuda")
@@ -998,7 +998,7 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
     _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 32)
     core = ("device", "peagle_core", "attention")
 
-    suite.stage("gemm_peak", lambda _cap: gemm_peak(ctx), needs=("device",))
+    suite.stage("gemm_peak", lambda _cap: gemm_peak(ctx), needs=("device",), always=True)
     suite.stage("cuda_tests", lambda cap: cuda_tests(ctx, cap), needs=("device", "peagle_core", "pytest"))
     suite.stage("overfit", lambda _cap: overfit(ctx), needs=core)
     suite.stage("lossless_eval", lambda _cap: lossless_eval(ctx), needs=core)
@@ -1038,7 +1038,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help=f"folder for {OUT_NAME} (default: $OUT)")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     parser.add_argument("--toy-verifier", type=Path, default=None, help="a built toy verifier to reuse")
-    parser.add_argument("--only", nargs="*", default=(), help="run only stages whose names start so")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=(),
+        help="run only the stages whose names start so (preflight and gemm_peak always run); name the "
+        "stages a check builds on too, e.g. --only verifier cache_build cached_step@2048",
+    )
     return run_suite(parser.parse_args(argv))
 
 

@@ -123,3 +123,11 @@ def test_stages_past_the_deadline_are_skipped_as_out_of_time() -> None:
     suite = gs.Suite(budget_s=1)
     result = suite.stage("late", lambda cap: {"ran": True})
     assert result is None and suite.results == {"late": "skipped"}
+
+
+def test_only_runs_the_named_stages_and_the_always_ones() -> None:
+    gs = _load_suite_module()
+    suite = gs.Suite(budget_s=60, only=("cached",))
+    for name, always in (("preflight", True), ("cache_build@64", False), ("cached_step@64", False)):
+        suite.stage(name, lambda cap: {}, always=always)
+    assert suite.results == {"preflight": "ok", "cached_step@64": "ok"}
