@@ -162,7 +162,8 @@ class Suite:
 
     def _done(self, check: str, status: str, seconds: float, fields: dict[str, Any]) -> None:
         self.results[check] = status
-        self.emit(check=check, status=status, seconds=round(seconds, 2), **fields)
+        head = {"check": check, "status": status, "seconds": round(seconds, 2)}
+        self.emit(**head, **{k: v for k, v in fields.items() if k not in head})
 
     def summary(self) -> int:
         failed = [c for c, s in self.results.items() if s in ("failed", "timeout")]

@@ -132,6 +132,7 @@ CAPS = {
     "cuda_tests": 120,
     "overfit": 75,
     "lossless_eval": 45,
+    "train_e2e": 60,
     "verifier_build": 60,
     "cache_build": 75,
     "cached_step": 75,  # the first one compiles FlexAttention for the real head size
@@ -390,23 +391,18 @@ def _toy_verifier_dir(ctx: Context) -> Path:
     return ctx.toy_verifier_dir
 
 
-def _toy_spec(verifier_dir: Path, data_path: Path, shapes: Shapes, lr: float) -> Any:
+def _toy_spec(
+    verifier_dir: Path, data_path: Path, shapes: Shapes, mode: str = "online", **training: Any
+) -> Any:
     from peagle_core.spec import parse_spec
 
     return parse_spec(
         {
             "verifier": {"name_or_path": str(verifier_dir)},
             "dataset": {"path": str(data_path), "seq_len": 128, "val_fraction": 0.1},
-            "hidden_states": {"mode": "online"},
+            "hidden_states": {"mode": mode},
             "model": {"num_layers": 1, "num_depths": 4, "draft_vocab_size": 256},
-            "training": {
-                "total_seq_len": 256,
-                "lr": lr,
-                "weight_decay": 0.0,
-                "warmup_ratio": 0.0,
-                "min_lr_ratio": 1.0,
-                "seed": 0,
-            },
+            "training": {"total_seq_len": 256, "seed": 0, **training},
             "evaluation": {"prompts": shapes.lossless_prompts, "max_new_tokens": shapes.max_new_tokens},
         }
     )
@@ -471,7 +467,7 @@ def overfit(ctx: Context) -> dict[str, Any]:
     verifier_dir = _toy_verifier_dir(ctx)
     data = write_toy_dataset(ctx.work / "toy.jsonl", n=64, seed=0)
     dataset = prepare_dataset(verifier_dir, data, ctx.work / "toy-data", seq_len=128, draft_vocab_size=256)
-    spec = _toy_spec(verifier_dir, data, ctx.shapes, lr=1e-2)
+    spec = _toy_spec(verifier_dir, data, ctx.shapes, lr=1e-2, weight_decay=0.0, warmup_ratio=0.0)
     verifier = Verifier.load(str(verifier_dir), device=str(ctx.device))
     train_idx, val_idx = dataset.split(spec.dataset.val_fraction, spec.training.seed)
     source = make_source(
@@ -539,6 +535,40 @@ def lossless_eval(ctx: Context) -> dict[str, Any]:
     }
     if not prompts or mismatched:
         raise CheckFailed("speculative output differs from plain greedy decoding", **fields)
+    return fields
+
+
+def train_e2e(ctx: Context) -> dict[str, Any]:
+    """`peagle_core.train.train` end to end on the toy, as a job runs it (hybrid hidden states, bf16
+    autocast on CUDA, checkpoints, evaluation, the validated export), then resumed from its last
+    checkpoint for two more steps."""
+    from peagle_core.train import train
+
+    verifier_dir = _toy_verifier_dir(ctx)
+    data = ctx.work / "toy.jsonl"
+    out = ctx.work / "toy-train"
+    shutil.rmtree(out, ignore_errors=True)
+    losses: list[float] = []
+
+    def record(metrics: dict[str, Any]) -> None:
+        if "loss" in metrics:
+            losses.append(metrics["loss"])
+
+    spec = _toy_spec(verifier_dir, data, ctx.shapes, "hybrid", max_steps=4, checkpoint_every_steps=2)
+    first = train(spec, out, on_metrics=record)
+    spec.training.max_steps = 6
+    second = train(spec, out, on_metrics=record)
+    fields = {
+        "device": next(first.model.parameters()).device.type,
+        "steps": [first.step, second.step],
+        "results": [first.status, second.status],
+        "losses": [round(x, 4) for x in losses],
+        "acceptance_length": second.metrics.get(f"eval/acceptance_length@{spec.model.num_depths}"),
+        "export": second.export_dir.name if second.export_dir else None,
+    }
+    ok = first.step == 4 and second.step == 6 and len(losses) == 6 and all(map(_finite, losses))
+    if not ok or second.status != "completed" or second.export_dir is None:
+        raise CheckFailed("training, resume or export went wrong", **fields)
     return fields
 
 
@@ -1002,6 +1032,7 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
     suite.stage("cuda_tests", lambda cap: cuda_tests(ctx, cap), needs=("device", "peagle_core", "pytest"))
     suite.stage("overfit", lambda _cap: overfit(ctx), needs=core)
     suite.stage("lossless_eval", lambda _cap: lossless_eval(ctx), needs=core)
+    suite.stage("train_e2e", lambda _cap: train_e2e(ctx), needs=core)
     ctx.toy.clear()
 
     if suite.stage("verifier_build", lambda _cap: build_verifier(ctx), needs=core) is not None:

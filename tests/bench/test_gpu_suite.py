@@ -53,6 +53,8 @@ def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
 
     assert checks["overfit"]["status"] == "ok"
     assert checks["overfit"]["last_loss"] <= 0.15 * checks["overfit"]["first_loss"]
+    e2e = checks["train_e2e"]  # train(), then resumed from its checkpoint, then exported
+    assert e2e["status"] == "ok" and e2e["steps"] == [4, 6] and e2e["export"] == "step_6"
     lossless = checks["lossless_eval"]
     assert lossless["status"] == "ok" and lossless["mismatched_prompts"] == [] and lossless["prompts"] > 0
 
