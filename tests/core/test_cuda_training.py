@@ -1,5 +1,6 @@
 """The CUDA training path against the CPU: the drafter's loss and gradients (FlexAttention against the
-chunked kernel) and a bf16 autocast step. Skipped without a GPU; bench/gpu_suite.py runs them on one."""
+chunked kernel), a bf16 autocast step, and FlexAttention at Llama-3.1-8B's head shape. Skipped without a
+GPU; bench/gpu_suite.py runs them on one."""
 
 from __future__ import annotations
 
@@ -80,3 +81,26 @@ def test_bf16_autocast_step_tracks_fp32_and_learns() -> None:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_flex_matches_chunked_at_the_llama_8b_head_shape_in_bf16() -> None:
+    # The real run's attention shape: 32 query heads over 8 KV heads of 128, bf16, packed documents.
+    from peagle_core.attention import AttentionLayout, parallel_group_attention
+    from peagle_core.cod import sample_cod_indices
+
+    g = torch.Generator().manual_seed(0)
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate((300, 150, 40))] + [torch.full((22,), -1)])
+    mask = (docs >= 0).long()
+    anchor, depth = sample_cod_indices(docs.numel(), mask, 8, 0.7, 0.2, generator=g, document_ids=docs)
+    layout = AttentionLayout.build(anchor.to(CUDA), depth.to(CUDA), docs.to(CUDA), num_heads=32)
+    n = anchor.numel()
+    q = torch.randn(n, 32, 128, device=CUDA).bfloat16().requires_grad_()
+    k = torch.randn(n, 8, 128, device=CUDA).bfloat16().requires_grad_()
+    v = torch.randn(n, 8, 128, device=CUDA).bfloat16().requires_grad_()
+    probe = torch.randn(n, 32, 128, device=CUDA)
+    results = {}
+    for backend, inputs in (("flex", (q, k, v)), ("chunked", tuple(t.float() for t in (q, k, v)))):
+        out = parallel_group_attention(*inputs, layout, backend)
+        results[backend] = (out.float(), *torch.autograd.grad((out.float() * probe).sum(), (q, k, v)))
+    for got, want in zip(results["flex"], results["chunked"], strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
