@@ -382,13 +382,17 @@ def _pythonpath() -> str:
     return os.pathsep.join(p for p in parts if p)
 
 
-def _toy_verifier_dir(ctx: Context) -> Path:
-    from peagle_core.toy import build_toy_verifier
+def _toy(ctx: Context) -> tuple[Path, Path]:
+    """The toy verifier directory and a 64-conversation JSONL of the toy corpus (each made once)."""
+    from peagle_core.toy import build_toy_verifier, write_toy_dataset
 
     if ctx.toy_verifier_dir is None:
         # The same cache key and directory the pytest fixture uses under PEAGLE_CACHE_DIR: built once.
         ctx.toy_verifier_dir = build_toy_verifier("test", seed=0, cache_dir=ctx.work / "toy")
-    return ctx.toy_verifier_dir
+    data = ctx.work / "toy.jsonl"
+    if not data.is_file():
+        write_toy_dataset(data, n=64, seed=0)
+    return ctx.toy_verifier_dir, data
 
 
 def _toy_spec(
@@ -460,12 +464,10 @@ def overfit(ctx: Context) -> dict[str, Any]:
     from peagle_core.data import prepare_dataset
     from peagle_core.distributed import DistInfo
     from peagle_core.hidden_states import BatchLoader, make_source
-    from peagle_core.toy import write_toy_dataset
     from peagle_core.train import train_step
     from peagle_core.verifier import Verifier
 
-    verifier_dir = _toy_verifier_dir(ctx)
-    data = write_toy_dataset(ctx.work / "toy.jsonl", n=64, seed=0)
+    verifier_dir, data = _toy(ctx)
     dataset = prepare_dataset(verifier_dir, data, ctx.work / "toy-data", seq_len=128, draft_vocab_size=256)
     spec = _toy_spec(verifier_dir, data, ctx.shapes, lr=1e-2, weight_decay=0.0, warmup_ratio=0.0)
     verifier = Verifier.load(str(verifier_dir), device=str(ctx.device))
@@ -544,8 +546,7 @@ def train_e2e(ctx: Context) -> dict[str, Any]:
     checkpoint for two more steps."""
     from peagle_core.train import train
 
-    verifier_dir = _toy_verifier_dir(ctx)
-    data = ctx.work / "toy.jsonl"
+    verifier_dir, data = _toy(ctx)
     out = ctx.work / "toy-train"
     shutil.rmtree(out, ignore_errors=True)
     losses: list[float] = []
