@@ -79,6 +79,40 @@ def test_dry_run_writes_its_lines_to_out(dry_run: dict[str, Any]) -> None:
     assert [json.loads(line) for line in written] == dry_run["lines"]
 
 
+_BLOCKER = """
+import sys
+
+
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pydantic", "speculators"):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
+        return None
+
+
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def test_without_the_carried_wheels_every_check_needing_them_is_skipped(tmp_path: Path) -> None:
+    # The GPU image as it comes: no pydantic, no speculators. The run must say why and still finish.
+    (tmp_path / "sitecustomize.py").write_text(_BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    checks = {x["check"]: x for x in map(json.loads, filter(None, proc.stdout.splitlines()))}
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert checks["preflight"]["core_modules_missing"] == ["pydantic"]
+    assert checks["gemm_peak"]["status"] == "ok"
+    for name in ("cuda_tests", "overfit", "verifier_build", "cached_step@64", "speculators_step@128"):
+        assert checks[name]["status"] == "skipped", checks[name]
+        assert "missing pydantic" in checks[name]["reason"] and "gpu_wheels.sh" in checks[name]["reason"]
+    assert checks["summary"]["status"] == "ok" and checks["summary"]["ok"] == ["preflight", "gemm_peak"]
+
+
 def test_a_missing_piece_skips_only_the_checks_that_need_it(tmp_path: Path) -> None:
     gs = _load_suite_module()
     suite = gs.Suite(budget_s=60, out_path=tmp_path / "s.jsonl")
