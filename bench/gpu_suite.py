@@ -1026,7 +1026,8 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
     # which materialises every score. Headroom, not a fix: a training job compiles one configuration.
     from torch import _dynamo
 
-    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 32)
+    knob = "recompile_limit" if hasattr(_dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(_dynamo.config, knob, max(getattr(_dynamo.config, knob), 32))
     core = ("device", "peagle_core", "attention")
 
     suite.stage("gemm_peak", lambda _cap: gemm_peak(ctx), needs=("device",), always=True)
