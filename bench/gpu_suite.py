@@ -1072,6 +1072,9 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Progress bars and library chatter would push the JSON lines out of a short output tail.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (what CI runs)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="deadline for the whole run, seconds")
