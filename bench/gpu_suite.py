@@ -797,10 +797,11 @@ def _resident(ctx: Context, dataset: Any, source: Any, bins: list[list[int]], se
 
 def cached_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """The training step from cached hidden states, on batches already on the device: the step alone."""
+    end = time.monotonic() + 0.8 * cap_s  # stop timing here; the cap's alarm comes later
     dataset, spec, source, bins = _offline_bins(ctx, seq_len)
     run = make_trainer(spec, ctx.verifier, dataset, source, ctx.device, ctx.work / "run", [], 1000)
     batches = iter(_resident(ctx, dataset, source, bins, seq_len))
-    step = _timed_steps(ctx, run, batches, ctx.shapes.steps, seq_len, time.monotonic() + 0.8 * cap_s)
+    step = _timed_steps(ctx, run, batches, ctx.shapes.steps, seq_len, end)
     ctx.figures[("cached_step", seq_len)] = step
     return {**step, "attention": _backend(run.model)}
 
@@ -809,10 +810,11 @@ def cached_loader(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """The same step fed by the prefetching loader reading the cache, as an offline job runs it."""
     from peagle_core.hidden_states import BatchLoader
 
+    end = time.monotonic() + 0.8 * cap_s
     dataset, spec, source, bins = _offline_bins(ctx, seq_len)
     run = make_trainer(spec, ctx.verifier, dataset, source, ctx.device, ctx.work / "run", [], 1000)
     with contextlib.closing(iter(BatchLoader(dataset, source, bins, total_seq_len=seq_len))) as it:
-        out = _timed_steps(ctx, run, it, ctx.shapes.steps, seq_len, time.monotonic() + 0.8 * cap_s)
+        out = _timed_steps(ctx, run, it, ctx.shapes.steps, seq_len, end)
     step = ctx.figures.get(("cached_step", seq_len))
     return {**out, "of_resident": round(out["tokens_per_s"] / step["tokens_per_s"], 3) if step else None}
 
@@ -828,12 +830,12 @@ def online_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """Verifier forward (in the loader thread) + drafter step, as `hidden_states.mode: online` runs."""
     from peagle_core.hidden_states import BatchLoader, make_source
 
+    end = time.monotonic() + 0.8 * cap_s
     dataset = _dataset(ctx, seq_len)
     spec = _real_spec(ctx, seq_len, "online")
     source = make_source("online", dataset, verifier_factory=lambda: ctx.verifier, pad_token_id=0)
     bins = _bins(ctx, spec, dataset)[: ctx.shapes.warmup + ctx.shapes.steps]
     run = make_trainer(spec, ctx.verifier, dataset, source, ctx.device, ctx.work / "run", [], 1000)
-    end = time.monotonic() + 0.8 * cap_s
     with contextlib.closing(iter(BatchLoader(dataset, source, bins, total_seq_len=seq_len))) as it:
         out = _timed_steps(
             ctx,
@@ -934,19 +936,20 @@ def speculators_model(ctx: Context, dataset: Any) -> Any:
 def speculators_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """speculators' P-EAGLE training step (its trainer's: bf16 autocast, backward, clip, AdamW) on the
     same cached rows as `cached_step`, and its tokens/s as a ratio of ours."""
+    from speculators.losses import resolve_loss_config
+    from torch import _dynamo
+
+    end = time.monotonic() + 0.8 * cap_s
+    s = ctx.shapes
     dataset, _spec, source, bins = _offline_bins(ctx, seq_len)
     model = speculators_model(ctx, dataset).train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    s = ctx.shapes
-    from speculators.losses import resolve_loss_config
-
     # Its default fused KL is a Triton kernel (CUDA only); the CPU dry run takes its eager twin.
-    loss = resolve_loss_config("kl_div", "fused" if ctx.device.type == "cuda" else "eager")
     kwargs = {
         "num_depths": s.num_depths,
         "down_sample_ratio": s.down_sample_ratio,
         "down_sample_ratio_min": s.down_sample_ratio_min,
-        "loss_config": loss,
+        "loss_config": resolve_loss_config("kl_div", "fused" if ctx.device.type == "cuda" else "eager"),
     }
     keys = (
         "hidden_states",
@@ -956,8 +959,6 @@ def speculators_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]
         "position_ids",
         "verifier_last_hidden_states",
     )
-
-    from torch import _dynamo
 
     def step(batch: Any) -> float:
         # Its forward is torch.compile'd; compiling it shape-generic at once spares a second compile
@@ -977,14 +978,13 @@ def speculators_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]
     for _ in range(s.warmup):
         step(next(batches))
     _reset_peak(ctx.device)
-    end = time.monotonic() + 0.8 * cap_s
-    elapsed, tokens, steps, loss = 0.0, 0, 0, None
+    elapsed, tokens, steps, last_loss = 0.0, 0, 0, float("nan")
     for batch in batches:
         if steps and time.monotonic() > end:
             break
         _sync(ctx.device)
         t0 = time.perf_counter()
-        loss = step(batch)
+        last_loss = step(batch)
         _sync(ctx.device)
         elapsed += time.perf_counter() - t0
         tokens, steps = tokens + batch.num_tokens, steps + 1
@@ -995,7 +995,7 @@ def speculators_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]
         "steps": steps,
         "tokens_per_s": round(rate, 1),
         "step_s": round(elapsed / steps, 4),
-        "loss": round(loss, 4),
+        "loss": round(last_loss, 4),
         "attention": model.config.transformer_layer_config._attn_implementation,
         "note": "speculators keeps lm_head frozen; ours trains it",
         "ours_tokens_per_s": ours["tokens_per_s"] if ours else None,
