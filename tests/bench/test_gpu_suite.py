@@ -63,15 +63,17 @@ def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
             line = checks[f"{name}@{seq}"]
             assert line["status"] == "ok", line
             assert line["tokens_per_s"] > 0 and line["mfu"] > 0, line
-        assert checks[f"cached_loader@{seq}"]["tokens_per_s"] > 0
     hybrid = checks["hybrid_epoch@64"]
     assert hybrid["status"] == "ok"
     assert hybrid["epoch0"]["cache_misses"] > 0 and hybrid["epoch0"]["cache_hits"] == 0
     assert hybrid["epoch1"]["cache_hits"] == hybrid["epoch0"]["cache_misses"]
     assert hybrid["epoch1"]["verifier_calls"] == 0
-    for seq in (64, 128):  # speculators' step on the same rows, as a ratio of ours
+    for seq in (64, 128):  # speculators' step on the same rows, as a ratio of ours (where it is installed)
         side = checks[f"speculators_step@{seq}"]
-        assert side["status"] == "ok" and side["tokens_per_s"] > 0 and side["ours_over_speculators"] > 0
+        if importlib.util.find_spec("speculators") is None:
+            assert side["status"] == "skipped" and "speculators is not installed" in side["reason"]
+        else:
+            assert side["status"] == "ok" and side["tokens_per_s"] > 0 and side["ours_over_speculators"] > 0
 
 
 def test_dry_run_writes_its_lines_to_out(dry_run: dict[str, Any]) -> None:
