@@ -33,7 +33,7 @@ class DrafterSettings(BaseModel):
     num_depths: int = Field(default=4, ge=1, le=32)
     down_sample_ratio: float = Field(default=0.7, gt=0.0, le=1.0)
     down_sample_ratio_min: float = Field(default=0.2, ge=0.0, le=1.0)
-    max_anchors: int | None = Field(default=None, ge=1)
+    max_anchors: int | None = Field(default=None, ge=1, le=131072)
     norm_before_residual: bool = True
     layer_type: LayerType = Field(
         default="llama",

@@ -10,6 +10,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from service.api import errors
+from service.api.body_limit import BodyLimitMiddleware
+from service.api.quotas import StreamSlots
 from service.api.routes import checkpoints, datasets, health, jobs
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
@@ -28,6 +30,11 @@ def _queue_depths(redis: Any) -> dict[str, int]:
     from rq import Queue
 
     return {q.name: q.count for q in Queue.all(connection=redis)}
+
+
+def _is_upload(method: str, path: str) -> bool:
+    # Dataset uploads stream to disk under their own cap (PEAGLE_MAX_UPLOAD_BYTES).
+    return method == "POST" and path.rstrip("/") == "/v1/datasets"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -56,10 +63,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.state.store = store
     app.state.metrics = Metrics()
+    app.state.streams = StreamSlots(settings.max_streams_per_key)
     app.state.metrics.track_state(
         functools.partial(_job_counts, app.state.sessions), functools.partial(_queue_depths, app.state.redis)
     )
     errors.install(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=_is_upload)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     for module in (health, jobs, datasets, checkpoints):
         app.include_router(module.router)

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
 from service.crud.events import add_event
+from service.redact import redact_paths
 
 # The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
 STAGES = ("prepare", "hidden_states", "train", "eval", "export")
@@ -70,7 +71,7 @@ class Outcome:
 def error_for(exc: BaseException, *, stage: str) -> dict[str, Any]:
     """The `{code, message}` stored on a failed job: actionable text, never a traceback."""
     if isinstance(exc, PeagleError):
-        return {"code": exc.code, "message": exc.message, "param": exc.param}
+        return {"code": exc.code, "message": redact_paths(exc.message), "param": exc.param}
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
         return {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.artifacts import FileEntry, manifest_sha256
@@ -47,6 +47,11 @@ def get_checkpoint(session: Session, project_id: str, checkpoint_id: str) -> Che
     return session.scalar(
         select(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.project_id == project_id)
     )
+
+
+def delete_checkpoint(session: Session, checkpoint_id: str) -> None:
+    """Delete the row (the caller has removed its files and commits)."""
+    session.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint_id))
 
 
 def list_for_job(session: Session, job_id: str) -> list[Checkpoint]:

@@ -77,6 +77,11 @@ def test_file_download_with_checksum(client, auth, checkpoint) -> None:
     assert r.status_code == 200 and r.content == data
     assert r.headers["x-checksum-sha256"] == hashlib.sha256(data).hexdigest()
     assert r.headers["accept-ranges"] == "bytes" and r.headers["repr-digest"].startswith("sha-256=:")
+    # Always a download, never rendered or sniffed by a browser.
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert r.headers["content-disposition"].startswith('attachment; filename="model.safetensors"')
+    readme = client.get(f"/v1/checkpoints/{checkpoint['id']}/files/README.md", headers=auth)
+    assert readme.headers["content-disposition"].startswith("attachment")
 
 
 @pytest.mark.parametrize(

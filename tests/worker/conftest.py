@@ -3,6 +3,7 @@ and poll the database (with a deadline) for the states the tests wait on."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,8 @@ class Stack:
             "PEAGLE_ARTIFACT_ROOT": settings.artifact_root,
             "PEAGLE_WORKER_HEARTBEAT_S": "1",
             "PEAGLE_CANCEL_GRACE_S": str(settings.cancel_grace_s),
+            "PEAGLE_ALLOWED_MODEL_ROOTS": json.dumps([str(p) for p in settings.allowed_model_roots]),
+            "PEAGLE_ALLOWED_DATA_ROOTS": json.dumps([str(p) for p in settings.allowed_data_roots]),
             "PYTHONPATH": str(REPO),
         }
 
@@ -168,10 +171,22 @@ class Stack:
 
 @pytest.fixture
 def stack(
-    make_settings: Callable[..., Any], isolated_db_url: str, redis_conn: Any, tmp_path: Path
+    make_settings: Callable[..., Any],
+    isolated_db_url: str,
+    redis_conn: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     # Workers and the reconciler act on every job in the database: give each test a database of its own.
-    settings = make_settings(database_url=isolated_db_url, worker_heartbeat_s=1.0, cancel_grace_s=60.0)
+    # The worker re-checks server paths, so the session's tmp tree (toy verifier, corpus) is an allowed root.
+    roots = [tmp_path_factory.getbasetemp()]
+    settings = make_settings(
+        database_url=isolated_db_url,
+        worker_heartbeat_s=1.0,
+        cancel_grace_s=60.0,
+        allowed_model_roots=roots,
+        allowed_data_roots=roots,
+    )
     s = Stack(settings, redis_conn, tmp_path)
     try:
         yield s
