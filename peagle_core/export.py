@@ -6,7 +6,6 @@ Checkpoint contract). `serve_command` is the vLLM command line the card and the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from peagle_core.errors import CheckpointError
+from peagle_core.serve import serve_command
 from peagle_core.speculators import write_checkpoint
 from peagle_core.validate import validate_checkpoint
 
@@ -24,19 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["export_checkpoint", "model_card", "serve_command", "validate_checkpoint"]
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # `ExportSpec.dtype` -> torch
-
-
-def serve_command(verifier: str, checkpoint_dir: str | Path, k: int) -> str:
-    """The exact command that serves this drafter with vLLM (P-EAGLE needs the V1 model runner)."""
-    spec = json.dumps(
-        {
-            "model": str(checkpoint_dir),
-            "method": "eagle3",
-            "num_speculative_tokens": k,
-            "parallel_drafting": True,
-        }
-    )
-    return f"VLLM_USE_V2_MODEL_RUNNER=0 vllm serve {verifier} --speculative-config '{spec}'"
 
 
 def model_card(

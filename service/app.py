@@ -17,6 +17,7 @@ from service.db.session import session_factory
 from service.metrics import Metrics, MetricsMiddleware
 from service.queue import redis_from_url
 from service.settings import Settings, get_settings
+from service.ui import install as install_ui
 
 
 def _job_counts(sessions: Any) -> dict[str, int]:
@@ -63,4 +64,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     for module in (health, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)
+    install_ui(app)
     return app
