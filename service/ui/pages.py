@@ -7,7 +7,7 @@ dashboard and `/v1` cannot disagree; another project's ids answer 404 exactly as
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Query, Request, Response
@@ -69,7 +69,6 @@ def login(
             request,
             "login.html",
             session,
-            status_code=401,
             next=_safe_next(next),
             error="That API key is unknown or revoked.",
         )
@@ -213,7 +212,6 @@ def new_job(
         "new_job.html",
         session,
         project,
-        status_code=422 if errors else 200,
         nav="new",
         text=spec_yaml,
         errors=errors,
@@ -238,11 +236,19 @@ def job_page(request: Request, session: Session, project: UiProject, db: DB, job
 
 
 @router.get("/jobs/{job_id}/panel")
-def job_panel(request: Request, session: Session, project: UiProject, db: DB, job_id: str):
+def job_panel(
+    request: Request,
+    session: Session,
+    project: UiProject,
+    db: DB,
+    job_id: str,
+    part: Annotated[Literal["summary", "details"], Query()] = "summary",
+):
+    """A part of the job page, re-read by its script while the job runs."""
     context = _panel_context(db, job_id, project.id)
     if context is None:
         return not_found_page(request, session, project, f"job {job_id}")
-    return views.render(request, "_job_panel.html", session, project, **context)
+    return views.render(request, f"_job_{part}.html", session, project, **context)
 
 
 @router.post("/jobs/{job_id}/cancel")

@@ -83,7 +83,11 @@ def render(
     status_code: int = 200,
     **context: Any,
 ) -> HTMLResponse:
-    """A page (or fragment) with the session's CSRF token; sets the cookie when the session is new."""
+    """A page (or fragment) with the session's CSRF token; sets the cookie when the session is new.
+
+    A form shown again with its errors answers 200, as HTML forms do: a 4xx document is a console error
+    in the browser, and the errors are in the page (role="alert", aria-invalid) rather than the status.
+    """
     response = templates.TemplateResponse(
         request,
         name,
@@ -180,9 +184,13 @@ class Stage:
 
 def timeline(job: Job, events: list[JobEvent]) -> list[Stage]:
     """The job's stages in order with how long each took (the last one ends when the job did)."""
-    marks = [(e.data.get("stage"), e.created_at) for e in events if e.type == "stage" and e.data]
+    marks: list[tuple[str, datetime]] = []
+    for e in events:
+        # The runner and the trainer both announce some stages: a repeat of the current one is no new stage.
+        if e.type == "stage" and e.data and (not marks or marks[-1][0] != e.data.get("stage")):
+            marks.append((str(e.data.get("stage")), e.created_at))
     stages = []
     for i, (name, start) in enumerate(marks):
         end = marks[i + 1][1] if i + 1 < len(marks) else job.finished_at
-        stages.append(Stage(str(name), start, (end - start).total_seconds() if end else None))
+        stages.append(Stage(name, start, (end - start).total_seconds() if end else None))
     return stages

@@ -53,7 +53,7 @@ def test_sign_in_sets_a_strict_httponly_cookie_and_checks_csrf(client, api_key) 
     r = client.post("/ui/login", data={"api_key": api_key, "csrf_token": "forged"}, follow_redirects=False)
     assert r.status_code == 403 and r.json()["error"]["code"] == "csrf_failed"
     r = client.post("/ui/login", data={"api_key": "peagle_sk_wrong", "csrf_token": token})
-    assert r.status_code == 401 and "unknown or revoked" in r.text
+    assert r.status_code == 200 and "unknown or revoked" in r.text and 'aria-invalid="true"' in r.text
     r = client.post(
         "/ui/login",
         data={"api_key": api_key, "csrf_token": token, "next": "https://evil.example/"},
@@ -109,7 +109,7 @@ def test_another_projects_pages_and_downloads_answer_404(
     sign_in(other_client, other_api_key)
     paths = [
         f"/ui/jobs/{job['id']}",
-        f"/ui/jobs/{job['id']}/panel",
+        f"/ui/jobs/{job['id']}/panel?part=details",
         f"/ui/compare?job={job['id']}",
         f"/ui/data/jobs/{job['id']}/metrics",
         f"/ui/data/jobs/{job['id']}/events",
@@ -137,16 +137,16 @@ def test_editor_shows_errors_at_their_line_and_submits_through_the_api(client, a
     text = yaml.safe_dump(bad, sort_keys=False)
     lr_line = next(i for i, line in enumerate(text.splitlines(), 1) if line.strip().startswith("lr:"))
     r = client.post("/ui/jobs/new", data={"spec_yaml": text, "csrf_token": token, "action": "submit"})
-    assert r.status_code == 422
+    assert r.status_code == 200  # the form again, errors inline (a 4xx page is a browser console error)
     assert f'data-param="training.lr" data-line="{lr_line}"' in r.text
     assert 'aria-invalid="true"' in r.text
 
     r = client.post("/ui/jobs/new", data={"spec_yaml": "verifier: [unclosed\n", "csrf_token": token})
-    assert r.status_code == 422 and "invalid YAML" in r.text
+    assert "invalid YAML" in r.text and 'id="resolved"' not in r.text
 
     outside = {**spec, "verifier": {"name_or_path": "/etc"}}
     r = client.post("/ui/jobs/new", data={"spec_yaml": yaml.safe_dump(outside), "csrf_token": token})
-    assert r.status_code == 422 and 'data-param="verifier.name_or_path"' in r.text
+    assert 'data-param="verifier.name_or_path"' in r.text
 
     text = yaml.safe_dump(spec, sort_keys=False)
     r = client.post("/ui/jobs/new", data={"spec_yaml": text, "csrf_token": token, "action": "validate"})

@@ -45,7 +45,7 @@ function layout(title, yTitle, extra) {
       yaxis: { title: { text: yTitle } },
       margin: { l: 60, r: 16, t: 36, b: 44 },
       height: 280,
-      legend: { orientation: "h", y: -0.25 },
+      legend: { orientation: "h", x: 1, xanchor: "right", y: 1.02, yanchor: "bottom" },
     },
     extra || {}
   );
@@ -106,8 +106,8 @@ function drawJobCharts(rows, depths) {
 }
 
 function initJobPage() {
-  const panel = document.getElementById("panel");
-  if (!panel || !document.getElementById("chart-loss")) return;
+  const panels = [...document.querySelectorAll(".panel[data-refresh]")];
+  if (!panels.length || !document.getElementById("chart-loss")) return;
   const data = pageData();
   let rows = [];
   let cursor = null;
@@ -128,7 +128,7 @@ function initJobPage() {
       busy = false;
     }
   }
-  const refreshPanel = () => swapHTML(panel, panel.dataset.refresh).catch(() => {});
+  const refreshPanel = () => Promise.all(panels.map((p) => swapHTML(p, p.dataset.refresh).catch(() => {})));
 
   refreshMetrics();
   const timer = setInterval(() => {
