@@ -154,9 +154,17 @@ def _panel_context(db: DB, job_id: str, project_id: str) -> dict | None:
 
 
 @router.get("/jobs/new")
-def new_job_form(request: Request, session: Session, project: UiProject, db: DB):
+def new_job_form(
+    request: Request,
+    session: Session,
+    project: UiProject,
+    db: DB,
+    dataset: Annotated[str | None, Query(max_length=64)] = None,
+):
+    """The editor, starting from a template on `?dataset=` (one of the project's), else the newest."""
+    chosen = datasets_crud.get_dataset(db, project.id, dataset) if dataset else None
     page = datasets_crud.list_datasets(db, project.id, after=None, limit=1)
-    newest = page[0][0].id if page and page[0] else None
+    newest = chosen.id if chosen else (page[0][0].id if page and page[0] else None)
     return views.render(
         request,
         "new_job.html",

@@ -152,6 +152,7 @@ def test_dashboard_end_to_end(
     page.get_by_label("API key").fill("peagle_sk_not-a-key")
     page.get_by_role("button", name="Sign in").click()
     assert "unknown or revoked" in page.get_by_role("alert").inner_text()
+    page.screenshot(path=str(SHOTS / "login.png"))
     page.get_by_label("API key").fill(up.key)
     page.get_by_role("button", name="Sign in").click()
     page.wait_for_url(f"{up.url}/ui/")
@@ -166,6 +167,7 @@ def test_dashboard_end_to_end(
     (dataset,) = client.list_datasets()["data"]
     assert dataset["num_records"] == 64
     page.wait_for_selector(f"tr[data-dataset-id='{dataset['id']}']")
+    page.screenshot(path=str(SHOTS / "datasets.png"), full_page=True)
 
     # The editor: an invalid spec is refused with the error at its field and line; nothing is created.
     verifier = toy_verifier_dir
@@ -181,6 +183,7 @@ def test_dashboard_end_to_end(
     assert page.locator(".gutter .bad").inner_text() == str(lr_line)
     assert page.get_by_label("Job spec (YAML)", exact=False).get_attribute("aria-invalid") == "true"
     assert client.list_jobs()["data"] == []
+    page.screenshot(path=str(SHOTS / "editor-error.png"), full_page=True)
 
     # Three jobs, queued in this order on the one worker: two to compare, one long one to cancel.
     first = submit_from_editor(page, up.url, good)

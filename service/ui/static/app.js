@@ -21,10 +21,16 @@ async function getJSON(url) {
   return res.json();
 }
 
+// Re-read a part of the page. A part holding the keyboard focus is left alone, so a refresh never pulls
+// the focus from under a keyboard user (it is re-read on the next tick after they move on).
 async function swapHTML(node, url, selector) {
+  const target = selector ? node.querySelector(selector) : node;
+  if (target.contains(document.activeElement) && document.activeElement !== document.body) return false;
   const res = await fetch(url, { headers: { Accept: "text/html" }, credentials: "same-origin" });
   if (!res.ok) return false;
-  (selector ? node.querySelector(selector) : node).innerHTML = await res.text();
+  const html = await res.text();
+  if (target.contains(document.activeElement) && document.activeElement !== document.body) return false;
+  target.innerHTML = html;
   return true;
 }
 
@@ -146,6 +152,8 @@ function initJobPage() {
     const when = new Date(ev.created_at).toLocaleTimeString();
     li.textContent = `${when} · ${ev.level} · ${ev.type} · ${ev.message}`;
     list.appendChild(li);
+    // Keep the page light on long jobs: the newest events only (the API keeps them all).
+    while (list.childElementCount > 500) list.firstElementChild.remove();
     if (ev.type === "status" || ev.type === "stage") refreshPanel();
     if (ev.type === "status" && ev.data && TERMINAL.includes(ev.data.status)) {
       terminal = true;
