@@ -20,11 +20,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
+from service.crud.events import add_event
 from service.crud.jobs import holder
 from service.crud.metrics import metrics_after
 from service.settings import Settings
 from service.tracking import tensorboard_key
-from worker.job_io import write_event
 
 log = logging.getLogger(__name__)
 
@@ -274,12 +274,14 @@ class JobTrackers:
             log.warning("job %s: %s tracker failed during %s: %s", self.job_id, name, action, exc)
             self.trackers = [t for t in self.trackers if t.name != name]
             reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-            write_event(
-                self.sessions,
-                self.job_id,
-                "warning",
-                f"{name} tracker failed during {action} and is off for the rest of this job: {reason}",
-                {"tracker": name, "action": action, "error": type(exc).__name__},
-                level="warning",
-            )
+            with self.sessions() as session:
+                add_event(
+                    session,
+                    self.job_id,
+                    "warning",
+                    f"{name} tracker failed during {action} and is off for the rest of this job: {reason}",
+                    level="warning",
+                    data={"tracker": name, "action": action, "error": type(exc).__name__},
+                )
+                session.commit()
             return None

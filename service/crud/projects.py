@@ -57,10 +57,6 @@ def live_key(session: Session, key: str) -> ApiKey | None:
     return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
 
 
-def project_for_key_id(session: Session, key_id: str) -> Project | None:
-    """The project of a key by its id while the key is unrevoked (a dashboard session names its key)."""
-    return session.scalar(
-        select(Project)
-        .join(ApiKey, ApiKey.project_id == Project.id)
-        .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
-    )
+def live_key_by_id(session: Session, key_id: str) -> ApiKey | None:
+    """An unrevoked key by its id (a dashboard session names its key, and ends when the key is revoked)."""
+    return session.scalar(select(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)))

@@ -19,7 +19,7 @@ from fastapi import Depends, Request, Response
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from service.api.deps import DB, AppSettings
-from service.crud.projects import project_for_key_id
+from service.crud.projects import live_key_by_id
 from service.db.models import Project
 from service.settings import Settings
 
@@ -99,11 +99,17 @@ def save_session(request: Request, response: Response, session: UiSession) -> No
     )
 
 
-def current_project(session: Session, db: DB) -> Project:
-    """The signed-in key's project; NotSignedIn when there is no session or its key was revoked."""
-    project = project_for_key_id(db, session.key_id) if session.key_id else None
-    if project is None:
+def current_project(request: Request, session: Session, db: DB) -> Project:
+    """The signed-in key's project; NotSignedIn when there is no session or its key was revoked.
+
+    Like the API's bearer dependency, it leaves the key's hash on `request.state.key_hash`, so per-key
+    accounting in the REST routes the dashboard calls sees the same key.
+    """
+    key = live_key_by_id(db, session.key_id) if session.key_id else None
+    project = db.get(Project, key.project_id) if key is not None else None
+    if key is None or project is None:
         raise NotSignedIn()
+    request.state.key_hash = key.key_hash
     return project
 
 
