@@ -297,3 +297,5 @@ def test_dashboard_end_to_end(
     ):
         assert other.request.get(f"{up.url}{path}").status == 404, path
     other.close()
+    # Nothing above made the server fail (SSE disconnects, downloads, forms).
+    assert "Traceback" not in (up.data_dir / "logs" / "api.log").read_text()
