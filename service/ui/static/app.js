@@ -46,7 +46,7 @@ async function refreshFromPage(url, selector) {
 function layout(title, yTitle, extra) {
   return Object.assign(
     {
-      title: { text: title, font: { size: 14 } },
+      title: { text: title, font: { size: 14 }, x: 0.01, xanchor: "left" },
       xaxis: { title: { text: "step" }, rangemode: "tozero" },
       yaxis: { title: { text: yTitle } },
       margin: { l: 60, r: 16, t: 36, b: 44 },
