@@ -92,13 +92,15 @@ def logout(session: Session, csrf_token: CsrfField) -> Response:
 def _job_list(
     db: DB, project_id: str, status: str | None, after: str | None
 ) -> tuple[list[views.JobRow], str | None]:
+    status = status if status in views.STATUS_SYMBOLS else None
     page = jobs_crud.list_jobs(db, project_id, status=status, after=after, limit=PAGE_SIZE)
     rows, has_more = page if page is not None else ([], False)
     ckpts = checkpoints_crud.list_for_jobs(db, [j.id for j in rows])
     return views.job_rows(rows, ckpts), (rows[-1].id if has_more and rows else None)
 
 
-StatusFilter = Annotated[schemas.JobStatus | None, Query()]
+# The filter form sends `status=` for "all": anything but a known status means no filter.
+StatusFilter = Annotated[str | None, Query(max_length=16)]
 Cursor = Annotated[str | None, Query(max_length=64)]
 
 
@@ -119,7 +121,7 @@ def jobs_page(
         project,
         nav="jobs",
         rows=rows,
-        status=status,
+        status=status if status in views.STATUS_SYMBOLS else None,
         after=after,
         next_cursor=next_cursor,
         statuses=list(views.STATUS_SYMBOLS),

@@ -128,6 +128,10 @@ def test_another_projects_pages_and_downloads_answer_404(
     assert r.status_code == 404
     assert client.get(f"/v1/jobs/{job['id']}", headers=auth).json()["status"] == "queued"
     assert job["id"] not in other_client.get("/ui/").text
+    # The list's status filter: "all" sends an empty value.
+    assert job["id"] in client.get("/ui/?status=").text
+    assert job["id"] in client.get("/ui/fragments/jobs?status=queued").text
+    assert job["id"] not in client.get("/ui/fragments/jobs?status=running").text
 
 
 def test_editor_shows_errors_at_their_line_and_submits_through_the_api(client, auth, api_key, spec) -> None:
