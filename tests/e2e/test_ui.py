@@ -238,7 +238,14 @@ def test_dashboard_end_to_end(
     weights = next(f for f in ckpt["files"] if f["name"] == "model.safetensors")
     assert hashlib.sha256(Path(info.value.path()).read_bytes()).hexdigest() == weights["sha256"]
 
-    # Cancel the long job from its page once it is running.
+    # The jobs list follows the long job live: its step moves on without a reload.
+    page.get_by_role("link", name="Jobs").click()
+    row = f"#jobs tr[data-job-id='{long}']"
+    page.wait_for_selector(f"{row}[data-status='running']:not([data-step='0'])", timeout=JOB_TIMEOUT_MS)
+    seen = page.get_attribute(row, "data-step")
+    page.wait_for_selector(f"{row}[data-status='running']:not([data-step='{seen}'])", timeout=JOB_TIMEOUT_MS)
+
+    # Cancel the long job from its page while it runs.
     page.goto(f"{up.url}/ui/jobs/{long}")
     page.wait_for_selector("#job-status[data-status='running']", timeout=JOB_TIMEOUT_MS)
     page.wait_for_function(
