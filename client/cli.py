@@ -190,7 +190,7 @@ def checkpoints_list(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> Non
     """List a job's published checkpoints."""
     with connect(url, key) as client:
         rows = client.list_checkpoints(job_id).get("data", [])
-        _table(rows, ["id", "step", "size", "sha256", "created_at"])
+        _table(rows, ["id", "step", "servable", "size", "sha256", "created_at"])
 
 
 @checkpoints_app.command("download")

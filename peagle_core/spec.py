@@ -80,6 +80,13 @@ class ModelSpec(DrafterSettings, _Strict):
         ge=2,
         description="Capped at the verifier's vocabulary; null means the full vocabulary.",
     )
+    init_from: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="A P-EAGLE checkpoint directory (ours or speculators') to start training from; its "
+        "architecture and draft vocabulary are kept, and the init_*_from_verifier options do not apply.",
+    )
     init_embeddings_from_verifier: bool = True
     init_lm_head_from_verifier: bool = Field(
         default=True,
@@ -115,6 +122,11 @@ class EvaluationSpec(_Strict):
     speculative_tokens: list[int] | None = Field(
         default=None, description="K values to evaluate; default [num_depths]."
     )
+    engine: Literal["auto", "peagle", "vllm", "both"] = Field(
+        default="auto",
+        description="Who measures acceptance length: our decoder (`peagle`), vLLM's spec-decode counters "
+        "(`vllm`) or `both`; `auto` is `both` where vLLM is installed, else `peagle`.",
+    )
 
     @field_validator("prompts")
     @classmethod
@@ -139,6 +151,11 @@ class ExportSpec(_Strict):
     dtype: Literal["bf16", "fp32"] = Field(
         default="bf16",
         description="Weights dtype of the exported checkpoint (speculators checkpoints are bf16).",
+    )
+    vllm_check: bool = Field(
+        default=True,
+        description="Load the checkpoint in vLLM and check its greedy output before publishing, where vLLM "
+        "is installed (elsewhere it is published `unverified`).",
     )
 
 

@@ -7,6 +7,7 @@ spec-decode counters are read before and after each batch, so every `VllmRun` co
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import multiprocessing as mp
@@ -86,6 +87,7 @@ class EngineConfig:
     """What identifies an engine: a request with the same config reuses the running one."""
 
     verifier: str
+    revision: str | None = None
     drafter: str | None = None
     k: int | None = None
     max_model_len: int = 1024
@@ -132,10 +134,8 @@ class VllmEngine:
         self._proc = self._conn = None
         if proc is None:
             return
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             conn.send({"op": "exit"})
-        except (BrokenPipeError, OSError):
-            pass
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
@@ -155,6 +155,7 @@ class VllmEngine:
         enforce_eager: bool = True,
         gpu_memory_utilization: float | None = None,
         trust_remote_code: bool = False,
+        revision: str | None = None,
     ) -> VllmRun:
         """Greedy generation of `max_new_tokens` (or up to EOS) per prompt, with K drafted tokens per step
         from `drafter` (a P-EAGLE checkpoint directory) when given. Raises VllmError with vLLM's message."""
@@ -167,6 +168,7 @@ class VllmEngine:
             max_model_len = max(256, 2 ** math.ceil(math.log2(need)))
         config = EngineConfig(
             verifier=str(verifier),
+            revision=revision,
             drafter=str(drafter) if drafter is not None else None,
             k=int(k) if drafter is not None else None,
             max_model_len=int(max_model_len),
@@ -287,6 +289,7 @@ def _build_engine(config: EngineConfig) -> Any:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     return LLM(
         model=config.verifier,
+        revision=config.revision,
         dtype=config.dtype,
         enforce_eager=config.enforce_eager,
         max_model_len=config.max_model_len,

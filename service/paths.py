@@ -1,7 +1,7 @@
 """Which server-side paths a job spec may name: only those under operator-allowed roots.
 
-verifier.name_or_path must be a directory under PEAGLE_ALLOWED_MODEL_ROOTS (or a hub id when
-PEAGLE_ALLOW_HUB is on); dataset.path and hidden_states.cache_uri must lie under PEAGLE_ALLOWED_DATA_ROOTS.
+verifier.name_or_path (or a hub id when PEAGLE_ALLOW_HUB is on) and model.init_from must be directories under
+PEAGLE_ALLOWED_MODEL_ROOTS; dataset.path and hidden_states.cache_uri must lie under PEAGLE_ALLOWED_DATA_ROOTS.
 Symlinks and `..` are resolved before the check, so neither can escape a root.
 """
 
@@ -67,6 +67,9 @@ def check_spec_paths(spec: JobSpec, settings: Settings, *, prefix: str = "spec."
         raise SpecError(
             [(f"{prefix}verifier.trust_remote_code", "trust_remote_code is disabled on this service")]
         )
+    if spec.model.init_from is not None:
+        init = f"{prefix}model.init_from"
+        _check_path(spec.model.init_from, settings.allowed_model_roots, init, "model path", must_be="dir")
     if spec.dataset.path is not None:
         _check_path(
             spec.dataset.path,

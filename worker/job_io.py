@@ -111,11 +111,13 @@ def event_recorder(
     """
 
     def on_event(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        data = dict(data or {})
+        level = data.pop("level", "info")  # the trainer flags warnings in the event's data
         if kind in STAGES:
             if on_stage is not None:
                 on_stage(kind)
-            write_event(sessions, job_id, "stage", message, {"stage": kind, **(data or {})})
+            write_event(sessions, job_id, "stage", message, {"stage": kind, **data}, level=level)
         else:
-            write_event(sessions, job_id, "log", message, {"kind": kind, **(data or {})})
+            write_event(sessions, job_id, "log", message, {"kind": kind, **data}, level=level)
 
     return on_event

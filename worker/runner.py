@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import CheckpointError, DataError, VerifierError
 from peagle_core.io import atomic_dir, sha256_file
+from peagle_core.serving_check import ServingCheck
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from service.crud import jobstate
@@ -330,6 +331,7 @@ class JobRunner:
         eval_json = export_dir / "eval.json"
         if eval_json.is_file():
             metrics.setdefault("eval", json.loads(eval_json.read_text()))
+        check = ServingCheck.load(export_dir)
         with self.sessions() as session:
             add_checkpoint(
                 session,
@@ -340,6 +342,7 @@ class JobRunner:
                 uri=key,
                 files=files,
                 metrics=json_safe(metrics),
+                servable=check.status if check is not None else "unverified",
             )
             moved = jobstate.transition(
                 session,

@@ -109,6 +109,10 @@ class Checkpoint(_Out):
     sha256: str = Field(description="sha256 of the canonical file manifest.")
     size: int
     metrics: dict[str, Any] | None
+    servable: Literal["verified", "unverified"] = Field(
+        description="`verified`: vLLM loaded this checkpoint and its greedy output with the drafter equalled "
+        "the verifier's own before it was published; `unverified`: no vLLM where the job ran."
+    )
     created_at: datetime
 
 

@@ -20,6 +20,7 @@ def add_checkpoint(
     uri: str,
     files: list[FileEntry],
     metrics: dict[str, Any] | None = None,
+    servable: str = "unverified",
     checkpoint_id: str | None = None,
 ) -> Checkpoint:
     """Add the row of a directory `ArtifactStore.publish_dir` has published under `uri` (the caller
@@ -33,6 +34,7 @@ def add_checkpoint(
         sha256=manifest_sha256(files),
         size=sum(int(f["size"]) for f in files),
         metrics=metrics,
+        servable=servable,
         created_at=utcnow(),
     )
     if checkpoint_id is not None:

@@ -177,6 +177,11 @@ class Checkpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64), doc="sha256 of the sorted file manifest.")
     size: Mapped[int] = mapped_column(BigInteger)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    servable: Mapped[str] = mapped_column(
+        String(16),
+        server_default="unverified",
+        doc="verified: vLLM loaded it and reproduced the verifier's greedy output before publishing.",
+    )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

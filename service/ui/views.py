@@ -101,20 +101,32 @@ def render(
     return response
 
 
+def _eval(ckpt: Checkpoint) -> dict[str, Any]:
+    return (ckpt.metrics or {}).get("eval") or {}
+
+
 def checkpoint_acceptance(ckpt: Checkpoint) -> dict[str, float]:
     """{"k=4": 2.1, ...}: our evaluation's acceptance length per K, from the checkpoint's eval.json."""
-    results = ((ckpt.metrics or {}).get("eval") or {}).get("results") or {}
-    return {k: float(r["acceptance_length"]) for k, r in results.items() if "acceptance_length" in r}
+    results = _eval(ckpt).get("results") or {}
+    return {
+        k: float(r["acceptance_length"])
+        for k, r in results.items()
+        if isinstance(r, dict) and isinstance(r.get("acceptance_length"), int | float)
+    }
 
 
-def vllm_acceptance(ckpt: Checkpoint) -> float | None:
-    """vLLM's measured acceptance length, when a vLLM check recorded one in the checkpoint's metrics."""
-    metrics = ckpt.metrics or {}
-    for key in ("vllm", "vllm_eval", "vllm_check"):
-        value = metrics.get(key)
-        if isinstance(value, dict) and isinstance(value.get("acceptance_length"), int | float):
-            return float(value["acceptance_length"])
-    return None
+def vllm_acceptance(ckpt: Checkpoint) -> dict[str, float]:
+    """vLLM's acceptance length per K where it was measured: its spec-decode counters during our
+    evaluation (`evaluation.engine`), else the publish check's run on the published files."""
+    out = {}
+    for k, r in (_eval(ckpt).get("results") or {}).items():
+        value = ((r or {}).get("vllm") or {}).get("acceptance_length") if isinstance(r, dict) else None
+        if isinstance(value, int | float):
+            out[k] = float(value)
+    serving = _eval(ckpt).get("serving") or {}
+    if not out and isinstance(serving.get("acceptance_length"), int | float) and serving.get("k"):
+        out[f"k={serving['k']}"] = float(serving["acceptance_length"])
+    return out
 
 
 @dataclass
@@ -153,7 +165,7 @@ def job_rows(jobs: list[Job], checkpoints: list[Checkpoint]) -> list[JobRow]:
 class CheckpointCard:
     ckpt: Checkpoint
     acceptance: dict[str, float]
-    vllm: float | None
+    vllm: dict[str, float]
     command: str
 
 

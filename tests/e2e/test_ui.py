@@ -71,6 +71,9 @@ training:
 evaluation:
   prompts: 2
   max_new_tokens: 8
+  engine: peagle          # vLLM's own figures are tests/serving's; here they would only add engine starts
+export:
+  vllm_check: false
 """
 
 
@@ -265,7 +268,7 @@ def test_dashboard_end_to_end(
     assert chart_points(page, "chart-compare") == [want_loss, api_rows(client, second, "loss")]
     page.get_by_label("Metric", exact=True).select_option("eval")
     page.wait_for_function(
-        "() => document.getElementById('chart-compare').data.every(t => t.name.includes('K=2'))"
+        "() => document.getElementById('chart-compare').data.every(t => t.name.includes('ours K=2'))"
     )
     page.get_by_label("Metric", exact=True).select_option("loss")
     page.screenshot(path=str(SHOTS / "compare.png"), full_page=True)

@@ -39,6 +39,7 @@ def checkpoint(client, auth, spec, settings, db_url, tmp_path) -> dict:
             uri=f"checkpoints/ckpt_{job['id'][4:]}",
             files=files,
             metrics={"acceptance_length": 2.1},
+            servable="verified",
             checkpoint_id=f"ckpt_{job['id'][4:]}",
         )
         s.commit()
@@ -59,6 +60,7 @@ def test_list_and_inspect(client, auth, checkpoint) -> None:
         n: hashlib.sha256(d).hexdigest() for n, d in FILES.items()
     }
     assert ck["size"] == sum(map(len, FILES.values())) and ck["step"] == 2
+    assert ck["servable"] == "verified" and listed[0]["servable"] == "verified"
 
 
 def test_archive_is_a_valid_tar_of_every_file(client, auth, checkpoint) -> None:

@@ -102,6 +102,14 @@ def test_another_projects_pages_and_downloads_answer_404(
             step=1,
             uri="checkpoints/x",
             files=[{"name": "config.json", "size": 2, "sha256": "0" * 64}],
+            metrics={
+                "eval": {
+                    "step": 1,
+                    "results": {
+                        "k=2": {"k": 2, "acceptance_length": 2.125, "vllm": {"acceptance_length": 2.0625}}
+                    },
+                }
+            },
         )
         s.commit()
         ckpt_id = ckpt.id
@@ -122,6 +130,9 @@ def test_another_projects_pages_and_downloads_answer_404(
     for path in paths[:5]:
         assert client.get(path).status_code == 200, path
     assert client.get(f"/ui/data/jobs/{job['id']}/metrics").json()["data"][0]["values"]["loss"] == 2.0
+    # The checkpoint's acceptance length, ours and vLLM's side by side.
+    details = client.get(f"/ui/jobs/{job['id']}/panel?part=details").text
+    assert "2.125" in details and "2.062" in details and ckpt_id in details
     # Cancelling another project's job: 404, and the job is untouched.
     token = csrf_of(other_client, "/ui/")
     r = other_client.post(f"/ui/jobs/{job['id']}/cancel", data={"csrf_token": token}, follow_redirects=False)

@@ -18,6 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 PEAGLE = [sys.executable, "-m", "cli"]
 
 
+# Overrides for a job that is evaluated by vLLM too and published through the vLLM gate.
+VLLM_ON: dict[str, Any] = {"evaluation": {"engine": "both"}, "export": {"vllm_check": True}}
+
+
 def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str, Any]:
     """A job spec that trains a one-layer drafter on the toy verifier in a few seconds."""
     spec: dict[str, Any] = {
@@ -32,7 +36,10 @@ def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str,
             "checkpoint_every_steps": 2,
             "seed": 3,
         },
-        "evaluation": {"prompts": 2, "max_new_tokens": 8},
+        # vLLM runs in the tests that use VLLM_ON (and tests/serving); elsewhere it would only add an engine
+        # start to every job.
+        "evaluation": {"prompts": 2, "max_new_tokens": 8, "engine": "peagle"},
+        "export": {"vllm_check": False},
     }
     for section, values in overrides.items():
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values

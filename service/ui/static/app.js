@@ -79,10 +79,20 @@ function series(rows, key) {
   return { x, y };
 }
 
+// Acceptance-length series: ours (eval/acceptance_length@K) and vLLM's (eval/vllm_acceptance_length@K).
 function evalKeys(rows) {
   const keys = new Set();
-  for (const r of rows) for (const k of Object.keys(r.values)) if (k.startsWith("eval/acceptance_length@")) keys.add(k);
+  for (const r of rows) {
+    for (const k of Object.keys(r.values)) {
+      if (k.startsWith("eval/acceptance_length@") || k.startsWith("eval/vllm_acceptance_length@")) keys.add(k);
+    }
+  }
   return [...keys].sort();
+}
+
+function evalLabel(key) {
+  const k = key.split("@")[1];
+  return key.startsWith("eval/vllm_") ? `vLLM K=${k}` : `ours K=${k}`;
 }
 
 // -- jobs list -----------------------------------------------------------------------------------
@@ -105,7 +115,7 @@ function drawJobCharts(rows, depths) {
   Plotly.react("chart-acc", acc, layout("Accuracy per depth", "top-1 agreement", { yaxis: { range: [0, 1], title: { text: "top-1 agreement" } } }), PLOT_CONFIG);
   Plotly.react("chart-tps", [line(series(rows, "tokens_per_s"), "tokens/s")], layout("Throughput", "tokens/s"), PLOT_CONFIG);
   Plotly.react("chart-lr", [line(series(rows, "lr"), "lr")], layout("Learning rate", "lr"), PLOT_CONFIG);
-  const al = evalKeys(rows).map((k) => line(series(rows, k), `K=${k.split("@")[1]}`));
+  const al = evalKeys(rows).map((k) => line(series(rows, k), evalLabel(k)));
   Plotly.react("chart-al", al, layout("Acceptance length per evaluation", "tokens per verifier pass"), PLOT_CONFIG);
   const n = series(rows, "loss").x.length;
   document.getElementById("points-note").textContent = `${n} training steps logged.`;
@@ -211,7 +221,7 @@ function initCompare() {
       const keys = metric === "eval" ? evalKeys(rows) : [metric];
       for (const k of keys) {
         const s = series(rows, k);
-        const suffix = metric === "eval" ? ` K=${k.split("@")[1]}` : "";
+        const suffix = metric === "eval" ? ` (${evalLabel(k)})` : "";
         traces.push({ x: s.x, y: s.y, name: `${job.name}${suffix}`, type: "scatter", mode: "lines+markers", marker: { size: 4 } });
       }
     }
