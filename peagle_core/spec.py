@@ -187,6 +187,24 @@ class ResourcesSpec(_Strict):
     queue: str = Field(default="default", pattern=_QUEUE_PATTERN)
 
 
+class TrackingSpec(_Strict):
+    """Experiment trackers the job also reports to (besides the service's own metrics)."""
+
+    report_to: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list,
+        max_length=2,
+        description="tensorboard: event files in the job's artifact folder (GET /v1/jobs/{id}/tensorboard); "
+        "mlflow: a run on the operator's PEAGLE_MLFLOW_TRACKING_URI. A failing tracker never fails the job.",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("list each tracker once")
+        return v
+
+
 class JobSpec(_Strict):
     """A whole training job."""
 
@@ -199,6 +217,7 @@ class JobSpec(_Strict):
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:

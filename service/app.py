@@ -12,13 +12,14 @@ from fastapi import FastAPI
 from service.api import errors
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.quotas import StreamSlots
-from service.api.routes import checkpoints, datasets, health, jobs
+from service.api.routes import checkpoints, datasets, health, jobs, tracking
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
 from service.db.session import session_factory
 from service.metrics import Metrics, MetricsMiddleware
 from service.queue import redis_from_url
 from service.settings import Settings, get_settings
+from service.ui import install as install_ui
 
 
 def _job_counts(sessions: Any) -> dict[str, int]:
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=_is_upload)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    for module in (health, jobs, datasets, checkpoints):
+    for module in (health, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)
+    install_ui(app)
     return app

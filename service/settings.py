@@ -116,6 +116,24 @@ class Settings(BaseSettings):
         description="Delete finished jobs (with their checkpoints and files) this many days after they end; "
         "applied by the reconciler. Unset: keep everything.",
     )
+    mlflow_tracking_uri: str = Field(
+        default="",
+        max_length=4096,
+        description="MLflow tracking server for jobs with tracking.report_to: [mlflow] (empty: refused).",
+    )
+    mlflow_experiment: str = Field(
+        default="peagle", max_length=250, description="MLflow experiment that holds one run per job."
+    )
+    ui_secret_key: str = Field(
+        default="",
+        max_length=512,
+        description="Key that signs web dashboard session cookies; default: a random one kept in "
+        "<data_dir>/ui-secret (set it when several API processes share no data dir).",
+    )
+    ui_session_max_age_s: int = Field(
+        default=12 * 3600, ge=60, le=30 * 24 * 3600, description="How long a dashboard sign-in lasts."
+    )
+
     events_poll_s: float = Field(
         default=0.5, gt=0, description="How often an SSE event stream polls the database for new events."
     )

@@ -34,6 +34,7 @@ from worker.cancel import JobMonitor
 from worker.job_io import Outcome, error_for, event_recorder, json_safe, write_event
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
+from worker.trackers import JobTrackers
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class JobRunner:
         self.sessions: sessionmaker[Session] = session_factory(settings.database_url)
         self.store = ArtifactStore(settings.artifact_root)
         self.stage = "claim"
+        self.published_dir: Path | None = None  # the export `_publish` published (trackers upload it)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -73,6 +75,9 @@ class JobRunner:
         ).start()
         monitor.stop_on_signal()
         progress = ProgressWriter(self.sessions, self.job_id, attempt=job.attempt).start()
+        trackers = JobTrackers(
+            self.settings, self.sessions, self.store, self.job_id, job.project_id, job.attempt, spec
+        ).start()
         try:
             try:
                 outcome = self._execute(job, spec, monitor, progress)
@@ -118,6 +123,7 @@ class JobRunner:
             raise
         finally:
             monitor.stop()
+            trackers.finish(self.published_dir)
 
     def _claim(self) -> Job | None:
         with self.sessions() as session:
@@ -365,6 +371,7 @@ class JobRunner:
                 self.store.delete(key)
                 return "lost"
             session.commit()
+        self.published_dir = export_dir
         return "succeeded"
 
 

@@ -58,3 +58,13 @@ def list_for_job(session: Session, job_id: str) -> list[Checkpoint]:
     return list(
         session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
     )
+
+
+def list_for_jobs(session: Session, job_ids: list[str]) -> list[Checkpoint]:
+    """The checkpoints of several jobs (a page of the dashboard's job list), by job and step."""
+    if not job_ids:
+        return []
+    query = (
+        select(Checkpoint).where(Checkpoint.job_id.in_(job_ids)).order_by(Checkpoint.job_id, Checkpoint.step)
+    )
+    return list(session.scalars(query))

@@ -89,3 +89,13 @@ def rotate_key(session: Session, key_id: str) -> tuple[str, ApiKey] | None:
     session.add(row)
     session.commit()
     return plaintext, row
+
+
+def live_key(session: Session, key: str) -> ApiKey | None:
+    """The unrevoked key row for a plaintext key (the dashboard's sign-in), or None."""
+    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+
+
+def live_key_by_id(session: Session, key_id: str) -> ApiKey | None:
+    """An unrevoked key by its id (a dashboard session names its key, and ends when the key is revoked)."""
+    return session.scalar(select(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)))

@@ -76,6 +76,13 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> schemas.Job:
     spec = check_spec_paths(body.spec, settings, project_id=project.id)
+    if "mlflow" in spec.tracking.report_to and not settings.mlflow_tracking_uri:
+        raise ApiError(
+            422,
+            "this server has no MLflow tracking server (PEAGLE_MLFLOW_TRACKING_URI): remove mlflow",
+            code="tracker_unavailable",
+            param="spec.tracking.report_to",
+        )
     if spec.dataset.id is not None and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
         raise ApiError(
             422, f"no dataset with id {spec.dataset.id!r}", code="dataset_not_found", param="spec.dataset.id"
