@@ -121,8 +121,11 @@ class Trainer:
     total_steps: int
     prompts: list[torch.Tensor]
     ckpt_root: Path  # training checkpoints (the export goes to out_dir/export)
-    engines: Engines  # who measures acceptance length; whether the vLLM publish gate runs
-    judge: VllmJudge | None  # vLLM on the evaluation prompts (rank 0, when `engines` needs it)
+    # Who measures acceptance length and whether the vLLM publish gate runs (`setup` resolves the spec's).
+    engines: Engines = field(
+        default_factory=lambda: Engines(ours=True, vllm=False, gate_off_reason="no serving check configured")
+    )
+    judge: VllmJudge | None = None  # vLLM on the evaluation prompts (rank 0, when `engines` needs it)
 
 
 @dataclass
