@@ -19,8 +19,9 @@ DEFAULT_CAP_S = 60
 MIN_STAGE_S = 8  # a stage that would get less than this is skipped as out of time
 
 
-class StageTimeout(Exception):
-    """A stage ran into its time cap (raised by SIGALRM in the main thread)."""
+class StageTimeout(BaseException):
+    """A stage ran into its time cap (raised by SIGALRM in the main thread). A BaseException, like
+    KeyboardInterrupt, so library code's `except Exception` fallbacks cannot swallow it."""
 
 
 class CheckFailed(Exception):

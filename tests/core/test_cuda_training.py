@@ -104,3 +104,24 @@ def test_flex_matches_chunked_at_the_llama_8b_head_shape_in_bf16() -> None:
         results[backend] = (out.float(), *torch.autograd.grad((out.float() * probe).sum(), (q, k, v)))
     for got, want in zip(results["flex"], results["chunked"], strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_compiled_block_mask_on_cuda_equals_the_eager_one() -> None:
+    # CUDA builds block masks with a compiled create_block_mask (no N x N grid); same mask, any row count.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import peagle_core.attention as attention
+    from peagle_core.cod import sample_cod_indices
+
+    for seed, lengths in ((0, (200, 90)), (1, (333, 40, 17))):
+        g = torch.Generator().manual_seed(seed)
+        docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((9,), -1)])
+        mask = (docs >= 0).long()
+        anchor, depth = sample_cod_indices(docs.numel(), mask, 8, 0.7, 0.2, generator=g, document_ids=docs)
+        rows = [t.to(CUDA) for t in (anchor, depth, docs[anchor])]
+        compiled = attention.flex_block_mask(*rows)
+        n = anchor.numel()
+        eager = create_block_mask(attention.parallel_group_mask_mod(*rows), None, None, n, n, device=CUDA)
+        assert not attention._compiled_mask_failed
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(compiled, name), getattr(eager, name)), (seed, name)
