@@ -104,15 +104,25 @@ class JobRunner:
                 )
             return "failed" if moved else "lost"
         except BaseException:
-            # Interrupted (shutdown, Ctrl-C): hand the job back; the reconciler re-enqueues it.
+            # Interrupted (shutdown, Ctrl-C): hand a running job back, the reconciler re-enqueues it. A job
+            # whose cancel was requested ends cancelled: a cancel is never undone.
             with self.sessions() as session:
-                jobstate.transition(
+                if not jobstate.transition(
                     session,
                     self.job_id,
                     "queued",
-                    expect=ACTIVE_STATUSES,
+                    expect=("running",),
+                    fence=job.attempt,
                     event="worker interrupted; job requeued",
-                )
+                ):
+                    jobstate.transition(
+                        session,
+                        self.job_id,
+                        "cancelled",
+                        expect=("cancelling",),
+                        fence=job.attempt,
+                        event="cancelled: the worker was interrupted while the job was stopping",
+                    )
             raise
         finally:
             monitor.stop()
