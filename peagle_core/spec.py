@@ -19,8 +19,9 @@ _QUEUE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 
 class _Strict(BaseModel):
-    # Unknown keys are errors: a typo in a spec must never be silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Unknown keys are errors: a typo in a spec must never be silently ignored. NaN and infinities are
+    # refused in every float field (`grad_clip: .inf` is a typo for "no clipping", which is `null`).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class VerifierSpec(_Strict):
@@ -103,6 +104,12 @@ class TrainingSpec(_Strict):
     seed: int = Field(default=0, ge=0)
     checkpoint_every_steps: int = Field(default=500, ge=1)
     eval_every_steps: int | None = Field(default=None, ge=1)
+    max_nonfinite_steps: int = Field(
+        default=20,
+        ge=1,
+        le=100_000,
+        description="Fail with code `diverged` after this many consecutive steps whose loss is NaN or infinite.",
+    )
 
 
 class EvaluationSpec(_Strict):

@@ -1,13 +1,12 @@
 """What a running job reports, shared by the single-process runner and the torchrun ranks.
 
 The trainer's stages, its result (`Outcome`), its events as job_events rows, the `{code, message}` of a
-failure, the one conversion of metrics to JSON, and the one logging format of worker processes.
+failure, and the one logging format of worker processes (metrics become JSON in `service.db.jsondata`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
 from service.crud.events import add_event
+from service.db.jsondata import json_safe
 
 # The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
 STAGES = ("prepare", "hidden_states", "train", "eval", "export")
@@ -27,22 +27,6 @@ OnEvent = Callable[[str, str, dict[str, Any] | None], None]
 def setup_logging() -> None:
     """INFO and above to stderr, one line each: every worker process (pool, horse, rank) logs this way."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-def json_safe(value: Any) -> Any:
-    """`value` as plain JSON data: tensors and NumPy values become numbers or lists, NaN and infinities
-    become null (JSON has neither, and Postgres rejects them), anything else unknown becomes its str."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if hasattr(value, "tolist"):  # torch tensors and NumPy arrays or scalars, 0-d included
-        return json_safe(value.tolist())
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    return str(value)
 
 
 @dataclass

@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.crud.jobs import set_progress
 from service.crud.metrics import add_metrics
+from service.db.jsondata import json_safe
 from service.db.models import utcnow
-from worker.job_io import json_safe
 
 log = logging.getLogger(__name__)
 

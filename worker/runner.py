@@ -25,11 +25,12 @@ from service.crud.checkpoints import add_checkpoint
 from service.crud.datasets import get_dataset
 from service.crud.events import add_event
 from service.crud.jobs import ACTIVE_STATUSES, find_job
+from service.db.jsondata import json_safe
 from service.db.models import Job, new_id
 from service.db.session import session_factory
 from service.settings import Settings
 from worker.cancel import JobMonitor
-from worker.job_io import Outcome, error_for, event_recorder, json_safe, write_event
+from worker.job_io import Outcome, error_for, event_recorder, write_event
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 
