@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from redis import Redis
 from rq import Queue
 from rq.exceptions import DuplicateJobError, NoSuchJobError
@@ -60,3 +62,23 @@ def enqueue_run(redis: Redis, job_id: str, queue_name: str, timeout_s: int) -> R
     except DuplicateJobError:
         # Another process enqueued it between our check and our write: theirs is the one.
         return RQJob.fetch(job_id, connection=redis)
+
+
+def _alive_key(job_id: str) -> str:
+    return f"peagle:alive:{job_id}"
+
+
+def mark_alive(redis: Redis, job_id: str, attempt: int, ttl_s: float) -> None:
+    """Say in Redis that `attempt` of `job_id` is running, for `ttl_s` seconds.
+
+    A second liveness signal beside the database heartbeat: during a database outage the worker cannot
+    stamp `heartbeat_at`, but this key (expired by Redis's own clock, so immune to skew) keeps the
+    reconciler from taking a healthy job for a dead one.
+    """
+    redis.set(_alive_key(job_id), attempt, ex=max(1, math.ceil(ttl_s)))
+
+
+def alive_attempt(redis: Redis, job_id: str) -> int | None:
+    """The attempt of `job_id` that marked itself alive within its TTL, or None."""
+    value = redis.get(_alive_key(job_id))
+    return int(value) if value is not None else None

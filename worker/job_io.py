@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
 from service.crud.events import add_event
+from service.crud.jobs import hold
 from service.db.jsondata import json_safe
 
 # The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
@@ -72,22 +73,31 @@ def error_for(exc: BaseException, *, stage: str) -> dict[str, Any]:
 def write_event(
     sessions: sessionmaker[Session],
     job_id: str,
+    attempt: int,
     type_: str,
     message: str,
     data: dict[str, Any] | None = None,
     *,
     level: str = "info",
-) -> None:
-    """Append one event to the job's log in its own transaction."""
+) -> bool:
+    """Append one event to the job's log in its own transaction, if `attempt` still holds the job
+    (a stale worker's events are dropped). Returns whether it was written."""
     with sessions() as session:
+        if not hold(session, job_id, attempt):
+            return False
         add_event(session, job_id, type_, message, level=level, data=data)
         session.commit()
+    return True
 
 
 def event_recorder(
-    sessions: sessionmaker[Session], job_id: str, *, on_stage: Callable[[str], None] | None = None
+    sessions: sessionmaker[Session],
+    job_id: str,
+    attempt: int,
+    *,
+    on_stage: Callable[[str], None] | None = None,
 ) -> OnEvent:
-    """The trainer's `on_event` callback for `job_id`.
+    """The trainer's `on_event` callback for `attempt` of `job_id`.
 
     A stage transition becomes `type="stage"` with `data.stage` (and is passed to `on_stage`, e.g. the
     progress writer); any other kind becomes `type="log"` with `data.kind` (e.g. "epoch", whose data
@@ -98,8 +108,8 @@ def event_recorder(
         if kind in STAGES:
             if on_stage is not None:
                 on_stage(kind)
-            write_event(sessions, job_id, "stage", message, {"stage": kind, **(data or {})})
+            write_event(sessions, job_id, attempt, "stage", message, {"stage": kind, **(data or {})})
         else:
-            write_event(sessions, job_id, "log", message, {"kind": kind, **(data or {})})
+            write_event(sessions, job_id, attempt, "log", message, {"kind": kind, **(data or {})})
 
     return on_event

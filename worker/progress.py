@@ -71,6 +71,7 @@ class ProgressWriter:
         self._dirty = False
         self.flushes = 0
         self.rows_written = 0
+        self.lost = threading.Event()  # the job moved to a newer attempt: nothing more is written
 
     # -- training-thread side (cheap) ---------------------------------------------------------------
 
@@ -179,9 +180,20 @@ class ProgressWriter:
             return
         rows = list(self._rows)
         with self.sessions() as session:
+            # The fenced progress update first: it locks the job row, so no newer attempt can start
+            # between it and the metric rows added in the same transaction.
+            if not set_progress(session, self.job_id, dict(self.progress), attempt=self.attempt):
+                session.rollback()
+                if not self.lost.is_set():
+                    log.warning(
+                        "job %s is no longer attempt %d's: progress dropped", self.job_id, self.attempt
+                    )
+                self.lost.set()
+                self._rows.clear()
+                self._dirty = False
+                return
             for row in rows:
                 add_metrics(session, self.job_id, row["step"], row["values"], created_at=row["created_at"])
-            set_progress(session, self.job_id, dict(self.progress))
             session.commit()
         del self._rows[: len(rows)]
         self._dirty = False

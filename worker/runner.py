@@ -1,8 +1,10 @@
 """Run one job end to end: claim it, prepare data, make hidden states available, train, publish.
 
 The database is the source of truth. The claim is a conditional `queued -> running` update (two workers
-never run one job); every later write is conditional on the job still being ours, so a job the
-reconciler took back or a user cancelled is never overwritten with a stale result.
+never run one job) that hands out the attempt number, the run's fencing token; every later write (status,
+progress, metrics, events, resume point, publish) is conditional on the job still being on that attempt,
+so a job the reconciler took back or a user cancelled is never overwritten with a stale result. Each
+attempt trains in a scratch directory of its own and resumes from the checkpoint mirrored to the store.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import traceback
 from pathlib import Path
 from typing import Any
@@ -28,25 +31,15 @@ from service.crud.jobs import ACTIVE_STATUSES, find_job
 from service.db.jsondata import json_safe
 from service.db.models import Job, new_id
 from service.db.session import session_factory
+from service.queue import redis_from_url
 from service.settings import Settings
 from worker.cancel import JobMonitor
 from worker.job_io import Outcome, error_for, event_recorder, write_event
+from worker.mirror import CheckpointMirror, restore
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 
 log = logging.getLogger(__name__)
-
-
-def latest_checkpoint_step(out_dir: Path) -> int | None:
-    """The step of `out_dir/checkpoints/latest` (the trainer's resume point), or None."""
-    latest = out_dir / "checkpoints" / "latest"
-    if not latest.is_file():
-        return None
-    name = latest.read_text().strip()
-    try:
-        return int(name.rsplit("_", 1)[-1])
-    except ValueError:
-        return None
 
 
 class JobRunner:
@@ -59,6 +52,7 @@ class JobRunner:
         self.sessions: sessionmaker[Session] = session_factory(settings.database_url)
         self.store = ArtifactStore(settings.artifact_root)
         self.stage = "claim"
+        self.attempt = 0  # set by the claim
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -66,21 +60,34 @@ class JobRunner:
         job = self._claim()
         if job is None:
             return "skipped"
+        # The claim's attempt number is this run's fencing token: every write below is conditional on it.
+        self.attempt = job.attempt
         spec = JobSpec.model_validate(job.spec)
+        work_dir = self._work_dir()
         monitor = JobMonitor(
-            self.sessions, self.job_id, self.worker_name, heartbeat_s=self.settings.worker_heartbeat_s
+            self.sessions,
+            self.job_id,
+            self.attempt,
+            heartbeat_s=self.settings.worker_heartbeat_s,
+            redis=redis_from_url(self.settings.redis_url),
         ).start()
         monitor.stop_on_signal()
-        progress = ProgressWriter(self.sessions, self.job_id, attempt=job.attempt).start()
+        progress = ProgressWriter(self.sessions, self.job_id, attempt=self.attempt).start()
+        mirror = CheckpointMirror(
+            self.store, self.sessions, self.job_id, self.attempt, work_dir, current_uri=job.resume_uri
+        )
         try:
             try:
-                outcome = self._execute(job, spec, monitor, progress)
+                outcome = self._execute(job, spec, monitor, progress, mirror, work_dir)
             finally:
-                # Every metric row lands before the job's final status is written.
+                # Every metric row and the newest checkpoint land before the job's final status is written.
                 progress.close()
+                mirror.close()
             monitor.check_now()
-            if monitor.lost.is_set():
-                log.warning("job %s is no longer ours; dropping its result", self.job_id)
+            if monitor.lost.is_set() or mirror.lost.is_set() or progress.lost.is_set():
+                log.warning(
+                    "job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt
+                )
                 return "lost"
             if monitor.cancel_requested.is_set():
                 return self._finish_cancelled(outcome)
@@ -98,6 +105,7 @@ class JobRunner:
                     self.job_id,
                     "failed",
                     expect=ACTIVE_STATUSES,
+                    fence=self.attempt,
                     event=f"failed during {self.stage}: {error['message']}",
                     event_data={"error": error, "stage": self.stage},
                     level="error",
@@ -113,7 +121,7 @@ class JobRunner:
                     self.job_id,
                     "queued",
                     expect=("running",),
-                    fence=job.attempt,
+                    fence=self.attempt,
                     event="worker interrupted; job requeued",
                 ):
                     jobstate.transition(
@@ -121,12 +129,13 @@ class JobRunner:
                         self.job_id,
                         "cancelled",
                         expect=("cancelling",),
-                        fence=job.attempt,
+                        fence=self.attempt,
                         event="cancelled: the worker was interrupted while the job was stopping",
                     )
             raise
         finally:
             monitor.stop()
+            shutil.rmtree(work_dir, ignore_errors=True)  # the store holds the resume point
 
     def _claim(self) -> Job | None:
         with self.sessions() as session:
@@ -161,6 +170,7 @@ class JobRunner:
                 self.job_id,
                 "queued",
                 expect=("running",),
+                fence=self.attempt,
                 event=f"worker shutting down; checkpoint saved at step {outcome.step}, job requeued",
                 event_data={"step": outcome.step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
             )
@@ -179,6 +189,7 @@ class JobRunner:
                 self.job_id,
                 "cancelled",
                 expect=("cancelling",),
+                fence=self.attempt,
                 event=message,
                 event_data={"step": step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
             )
@@ -192,17 +203,27 @@ class JobRunner:
         progress.set_stage(stage)
 
     def _work_dir(self) -> Path:
-        key = f"jobs/{self.job_id}/work"
-        local = self.store.local_path(key)
-        # A remote store keeps the out_dir on this machine's disk (resume then needs the same machine).
-        return local if local is not None else Path(self.settings.data_dir) / "scratch" / self.job_id / "work"
+        """This attempt's own scratch directory (earlier attempts' are removed): two attempts of one job
+        never share a directory, and a resume starts from the store's mirrored checkpoint."""
+        job_dir = Path(self.settings.data_dir) / "scratch" / "jobs" / self.job_id
+        for old in job_dir.glob("attempt-*"):
+            if old.name != f"attempt-{self.attempt}":
+                shutil.rmtree(old, ignore_errors=True)
+        return job_dir / f"attempt-{self.attempt}"
 
-    def _execute(self, job: Job, spec: JobSpec, monitor: JobMonitor, progress: ProgressWriter) -> Outcome:
+    def _execute(
+        self,
+        job: Job,
+        spec: JobSpec,
+        monitor: JobMonitor,
+        progress: ProgressWriter,
+        mirror: CheckpointMirror,
+        out_dir: Path,
+    ) -> Outcome:
         self.stage = "prepare"
         _check_verifier_path(spec)
         if spec.resources.gpus > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
-        out_dir = self._work_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
 
         data_path, source_sha = self._dataset_source(job, spec, out_dir)
@@ -214,7 +235,8 @@ class JobRunner:
         # The trainer builds a missing offline cache itself and reports it as its `hidden_states` stage.
         cache_dir = self._cache_dir(spec, dataset_dir)
 
-        resume_step = latest_checkpoint_step(out_dir)
+        resume_step = restore(self.store, job.resume_uri, out_dir)
+        mirror.start()
         if resume_step is not None:
             self._event(
                 "log", f"resuming from checkpoint at step {resume_step}", {"resume_step": resume_step}
@@ -243,7 +265,7 @@ class JobRunner:
             out_dir,
             on_metrics=progress.on_metrics,
             should_stop=monitor.should_stop,
-            on_event=event_recorder(self.sessions, self.job_id, on_stage=on_stage),
+            on_event=event_recorder(self.sessions, self.job_id, self.attempt, on_stage=on_stage),
             resume=True,
             dataset_dir=dataset_dir,
             cache_dir=cache_dir,
@@ -251,7 +273,7 @@ class JobRunner:
         return Outcome.from_train_result(result)
 
     def _event(self, type_: str, message: str, data: dict[str, Any] | None = None) -> None:
-        write_event(self.sessions, self.job_id, type_, message, data)
+        write_event(self.sessions, self.job_id, self.attempt, type_, message, data)
 
     def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
         """The JSONL to prepare from and its sha256 (the reuse key's data part)."""
@@ -351,6 +373,7 @@ class JobRunner:
                 self.job_id,
                 "succeeded",
                 expect=ACTIVE_STATUSES,
+                fence=self.attempt,
                 event=f"succeeded at step {outcome.step}; checkpoint {ckpt_id} published",
                 event_data={"checkpoint_id": ckpt_id, "step": outcome.step},
                 commit=False,

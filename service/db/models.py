@@ -146,6 +146,10 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    resume_uri: Mapped[str | None] = mapped_column(
+        Text, nullable=True, doc="Artifact key of the newest mirrored training checkpoint (the resume point)."
+    )
+    resume_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 
 

@@ -115,9 +115,11 @@ def start_long_job(stack: Stack, verifier_dir: Path, data_path: Path) -> tuple[s
 
 
 def stop_checkpoint(stack: Stack, job_id: str) -> str:
-    """The `latest` pointer of the job's training checkpoints."""
-    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work" / "checkpoints"
-    return (work / "latest").read_text().strip()
+    """The name of the job's resume point: its newest training checkpoint mirrored to the store."""
+    job = stack.job(job_id)
+    assert job.resume_uri is not None
+    assert ArtifactStore(stack.settings.artifact_root).exists(f"{job.resume_uri}/meta.json")
+    return Path(job.resume_uri).name
 
 
 def test_cancel_during_training_saves_a_checkpoint(
@@ -181,7 +183,6 @@ def test_sigkilled_worker_resumes_from_its_last_checkpoint(
     import psutil
 
     from worker.reconcile import reconcile_once
-    from worker.runner import latest_checkpoint_step
 
     spec = toy_spec(
         toy_verifier_dir,
@@ -190,14 +191,13 @@ def test_sigkilled_worker_resumes_from_its_last_checkpoint(
     )
     job_id = stack.submit(spec)
     worker = stack.worker()
-    work = Path(stack.settings.artifact_root) / "jobs" / job_id / "work"
-    stack.wait_for("a training checkpoint", lambda: (latest_checkpoint_step(work) or 0) >= 2, timeout=300)
+    stack.wait_for("a mirrored checkpoint", lambda: (stack.job(job_id).resume_step or 0) >= 2, timeout=300)
     horses = psutil.Process(worker.pid).children(recursive=True)
     for p in [*horses, psutil.Process(worker.pid)]:
         os.kill(p.pid, signal.SIGKILL)
     worker.wait()
     stack.procs.remove(worker)
-    saved = latest_checkpoint_step(work)
+    saved = stack.job(job_id).resume_step
     assert saved is not None and saved < 10
     assert stack.job(job_id).status == "running"
 

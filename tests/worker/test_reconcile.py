@@ -64,3 +64,19 @@ def test_cancel_within_grace_is_left_alone(stack: Stack, tmp_path: Path) -> None
         assert jobstate.transition(s, job_id, "cancelling")
     assert not reconcile_once(stack.settings, redis=stack.redis)
     assert stack.job(job_id).status == "cancelling"
+
+
+def test_a_stale_database_heartbeat_is_not_death_while_the_attempt_is_alive_in_redis(
+    stack: Stack, tmp_path: Path
+) -> None:
+    from service.queue import mark_alive
+
+    job_id = stack.submit(toy_spec(tmp_path, tmp_path / "d.jsonl"))
+    _running(stack, job_id, heartbeat_age_s=3600, attempt=2)
+    # The worker cannot reach the database (outage) but still marks its attempt alive in Redis.
+    mark_alive(stack.redis, job_id, 2, ttl_s=30)
+    assert not reconcile_once(stack.settings, redis=stack.redis).requeued
+    assert stack.job(job_id).status == "running"
+    # A key left by an earlier attempt proves nothing about this one.
+    mark_alive(stack.redis, job_id, 1, ttl_s=30)
+    assert reconcile_once(stack.settings, redis=stack.redis).requeued == [job_id]
