@@ -30,7 +30,8 @@ def test_a_frozen_worker_is_fenced_off_and_the_job_finishes_once(
     spec = toy_spec(
         toy_verifier_dir,
         toy_dataset_path,
-        training={"max_steps": 12, "checkpoint_every_steps": 2, "epochs": 10},
+        # Long enough (the toy trains ~15 steps/s) that the freeze lands mid-training.
+        training={"max_steps": 80, "checkpoint_every_steps": 5, "epochs": 50},
         evaluation={"prompts": 1},
     )
     job_id = stack.submit(spec)
@@ -41,6 +42,7 @@ def test_a_frozen_worker_is_fenced_off_and_the_job_finishes_once(
         timeout=300,
     )
 
+    assert stack.job(job_id).resume_step < 80, "the job finished before the freeze: lengthen it"
     # Freeze the whole worker (RQ parent and work horse): its database and Redis heartbeats stop with it.
     tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
     for p in tree:
