@@ -91,13 +91,12 @@ def write_event(
 
 
 def event_recorder(
-    sessions: sessionmaker[Session],
-    job_id: str,
-    attempt: int,
+    add: Callable[[str, str, dict[str, Any] | None], None],
     *,
     on_stage: Callable[[str], None] | None = None,
 ) -> OnEvent:
-    """The trainer's `on_event` callback for `attempt` of `job_id`.
+    """The trainer's `on_event` callback, handing each event to `add(type, message, data)` (the progress
+    writer's queue, so a slow or absent database never stalls training).
 
     A stage transition becomes `type="stage"` with `data.stage` (and is passed to `on_stage`, e.g. the
     progress writer); any other kind becomes `type="log"` with `data.kind` (e.g. "epoch", whose data
@@ -108,8 +107,8 @@ def event_recorder(
         if kind in STAGES:
             if on_stage is not None:
                 on_stage(kind)
-            write_event(sessions, job_id, attempt, "stage", message, {"stage": kind, **(data or {})})
+            add("stage", message, {"stage": kind, **(data or {})})
         else:
-            write_event(sessions, job_id, attempt, "log", message, {"kind": kind, **(data or {})})
+            add("log", message, {"kind": kind, **(data or {})})
 
     return on_event

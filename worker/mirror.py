@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from peagle_core.io import atomic_dir, atomic_write_bytes
 from service.artifacts import ArtifactStore
 from service.crud.jobs import set_resume_point
+from service.db.retry import retry_transient
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +93,18 @@ class CheckpointMirror:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, tolerance_s: float = 0.0) -> None:
+        """Stop the thread and mirror the newest checkpoint, retrying through a database outage for up to
+        `tolerance_s`; a failure is logged (the previous resume point stays valid)."""
         self._done.set()
-        self._thread.join()
-        self.sync()
+        if self._thread.is_alive():
+            self._thread.join()
+        try:
+            retry_transient(
+                self.sync, tolerance_s=tolerance_s, what=f"recording a checkpoint of {self.job_id}"
+            )
+        except Exception as exc:
+            log.error("job %s: the newest training checkpoint was not mirrored: %s", self.job_id, exc)
 
     def sync(self) -> None:
         """Mirror the newest local checkpoint if it is not the recorded resume point yet."""

@@ -129,9 +129,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     monitor = JobMonitor(sessions, args.job_id, args.attempt, heartbeat_s=float("inf")).start()
     # Only rank 0 reports: one set of metric rows, progress and events per job.
     progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt).start() if rank == 0 else None
-    on_event = (
-        event_recorder(sessions, args.job_id, args.attempt, on_stage=progress.set_stage) if progress else None
-    )
+    on_event = event_recorder(progress.add_event, on_stage=progress.set_stage) if progress else None
 
     try:
         result = train(

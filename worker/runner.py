@@ -14,8 +14,9 @@ import json
 import logging
 import shutil
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -24,12 +25,13 @@ from peagle_core.io import atomic_dir, sha256_file
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from service.crud import jobstate
-from service.crud.checkpoints import add_checkpoint
+from service.crud.checkpoints import add_checkpoint, find_checkpoint
 from service.crud.datasets import get_dataset
 from service.crud.events import add_event
 from service.crud.jobs import ACTIVE_STATUSES, find_job
 from service.db.jsondata import json_safe
 from service.db.models import Job, new_id
+from service.db.retry import retry_transient
 from service.db.session import session_factory
 from service.queue import redis_from_url
 from service.settings import Settings
@@ -40,6 +42,8 @@ from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class JobRunner:
@@ -53,6 +57,20 @@ class JobRunner:
         self.store = ArtifactStore(settings.artifact_root)
         self.stage = "claim"
         self.attempt = 0  # set by the claim
+
+    # -- database access: fenced by the attempt, retried through an outage ---------------------------
+
+    def _db(self, fn: Callable[[], T], what: str) -> T:
+        return retry_transient(fn, tolerance_s=self.settings.db_outage_tolerance_s, what=what)
+
+    def _move(self, to: str, **kwargs: Any) -> bool:
+        """`jobstate.transition` of this attempt (fenced), retried through a database outage."""
+
+        def move() -> bool:
+            with self.sessions() as session:
+                return jobstate.transition(session, self.job_id, to, fence=self.attempt, **kwargs)
+
+        return self._db(move, f"moving job {self.job_id} to {to}")
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -81,9 +99,9 @@ class JobRunner:
                 outcome = self._execute(job, spec, monitor, progress, mirror, work_dir)
             finally:
                 # Every metric row and the newest checkpoint land before the job's final status is written.
-                progress.close()
-                mirror.close()
-            monitor.check_now()
+                progress.close(tolerance_s=self.settings.db_outage_tolerance_s)
+                mirror.close(tolerance_s=self.settings.db_outage_tolerance_s)
+            self._db(monitor.check_now, f"checking job {self.job_id}")
             if monitor.lost.is_set() or mirror.lost.is_set() or progress.lost.is_set():
                 log.warning(
                     "job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt
@@ -98,82 +116,68 @@ class JobRunner:
             return self._publish(job, spec, outcome)
         except Exception as exc:
             log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
-            with self.sessions() as session:
-                error = error_for(exc, stage=self.stage)
-                moved = jobstate.transition(
-                    session,
-                    self.job_id,
-                    "failed",
-                    expect=ACTIVE_STATUSES,
-                    fence=self.attempt,
-                    event=f"failed during {self.stage}: {error['message']}",
-                    event_data={"error": error, "stage": self.stage},
-                    level="error",
-                    error=error,
-                )
+            error = error_for(exc, stage=self.stage)
+            moved = self._move(
+                "failed",
+                expect=ACTIVE_STATUSES,
+                event=f"failed during {self.stage}: {error['message']}",
+                event_data={"error": error, "stage": self.stage},
+                level="error",
+                error=error,
+            )
             return "failed" if moved else "lost"
         except BaseException:
             # Interrupted (shutdown, Ctrl-C): hand a running job back, the reconciler re-enqueues it. A job
             # whose cancel was requested ends cancelled: a cancel is never undone.
-            with self.sessions() as session:
-                if not jobstate.transition(
-                    session,
-                    self.job_id,
-                    "queued",
-                    expect=("running",),
-                    fence=self.attempt,
-                    event="worker interrupted; job requeued",
-                ):
-                    jobstate.transition(
-                        session,
-                        self.job_id,
-                        "cancelled",
-                        expect=("cancelling",),
-                        fence=self.attempt,
-                        event="cancelled: the worker was interrupted while the job was stopping",
-                    )
+            if not self._move("queued", expect=("running",), event="worker interrupted; job requeued"):
+                self._move(
+                    "cancelled",
+                    expect=("cancelling",),
+                    event="cancelled: the worker was interrupted while the job was stopping",
+                )
             raise
         finally:
             monitor.stop()
             shutil.rmtree(work_dir, ignore_errors=True)  # the store holds the resume point
 
     def _claim(self) -> Job | None:
-        with self.sessions() as session:
-            claimed = jobstate.claim(session, self.job_id, self.worker_name)
-            job = find_job(session, self.job_id)
-            if job is None:
-                log.warning("job %s does not exist; skipping", self.job_id)
-                return None
-            if not claimed:
-                log.info("job %s is %s, not queued; skipping", self.job_id, job.status)
-                # In this session: on SQLite the failed claim's UPDATE holds the write lock until commit.
-                add_event(
-                    session,
-                    self.job_id,
-                    "log",
-                    f"worker {self.worker_name} skipped the job: it is {job.status}, not queued",
-                    data={"worker": self.worker_name, "status": job.status},
-                )
-                session.commit()
-                return None
-            session.refresh(job)
-            session.expunge(job)
-        log.info("job %s claimed by %s (attempt %d)", self.job_id, self.worker_name, job.attempt)
+        def claim() -> Job | None:
+            with self.sessions() as session:
+                claimed = jobstate.claim(session, self.job_id, self.worker_name)
+                job = find_job(session, self.job_id)
+                if job is None:
+                    log.warning("job %s does not exist; skipping", self.job_id)
+                    return None
+                if not claimed:
+                    log.info("job %s is %s, not queued; skipping", self.job_id, job.status)
+                    # In this session: on SQLite the failed claim's UPDATE holds the write lock until commit.
+                    add_event(
+                        session,
+                        self.job_id,
+                        "log",
+                        f"worker {self.worker_name} skipped the job: it is {job.status}, not queued",
+                        data={"worker": self.worker_name, "status": job.status},
+                    )
+                    session.commit()
+                    return None
+                session.refresh(job)
+                session.expunge(job)
+                return job
+
+        job = self._db(claim, f"claiming job {self.job_id}")
+        if job is not None:
+            log.info("job %s claimed by %s (attempt %d)", self.job_id, self.worker_name, job.attempt)
         return job
 
     def _requeue_preempted(self, outcome: Outcome) -> str:
         """The worker is shutting down: hand the job back; the reconciler re-enqueues it and the next
         attempt resumes from the checkpoint just saved."""
-        with self.sessions() as session:
-            moved = jobstate.transition(
-                session,
-                self.job_id,
-                "queued",
-                expect=("running",),
-                fence=self.attempt,
-                event=f"worker shutting down; checkpoint saved at step {outcome.step}, job requeued",
-                event_data={"step": outcome.step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
-            )
+        moved = self._move(
+            "queued",
+            expect=("running",),
+            event=f"worker shutting down; checkpoint saved at step {outcome.step}, job requeued",
+            event_data={"step": outcome.step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
+        )
         return "queued" if moved else "lost"
 
     def _finish_cancelled(self, outcome: Outcome) -> str:
@@ -183,16 +187,12 @@ class JobRunner:
             if outcome.checkpoint_dir
             else f"cancelled at step {step} before any checkpoint"
         )
-        with self.sessions() as session:
-            moved = jobstate.transition(
-                session,
-                self.job_id,
-                "cancelled",
-                expect=("cancelling",),
-                fence=self.attempt,
-                event=message,
-                event_data={"step": step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
-            )
+        moved = self._move(
+            "cancelled",
+            expect=("cancelling",),
+            event=message,
+            event_data={"step": step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
+        )
         return "cancelled" if moved else "lost"
 
     # -- stages ------------------------------------------------------------------------------------
@@ -265,7 +265,7 @@ class JobRunner:
             out_dir,
             on_metrics=progress.on_metrics,
             should_stop=monitor.should_stop,
-            on_event=event_recorder(self.sessions, self.job_id, self.attempt, on_stage=on_stage),
+            on_event=event_recorder(progress.add_event, on_stage=on_stage),
             resume=True,
             dataset_dir=dataset_dir,
             cache_dir=cache_dir,
@@ -273,7 +273,10 @@ class JobRunner:
         return Outcome.from_train_result(result)
 
     def _event(self, type_: str, message: str, data: dict[str, Any] | None = None) -> None:
-        write_event(self.sessions, self.job_id, self.attempt, type_, message, data)
+        self._db(
+            lambda: write_event(self.sessions, self.job_id, self.attempt, type_, message, data),
+            f"writing an event of job {self.job_id}",
+        )
 
     def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
         """The JSONL to prepare from and its sha256 (the reuse key's data part)."""
@@ -282,8 +285,12 @@ class JobRunner:
             if not path.is_file():
                 raise DataError(f"dataset.path {path} does not exist on the worker", param="dataset.path")
             return path, sha256_file(path)
-        with self.sessions() as session:
-            ds = get_dataset(session, job.project_id, spec.dataset.id)
+
+        def dataset() -> Any:
+            with self.sessions() as session:
+                return get_dataset(session, job.project_id, spec.dataset.id)
+
+        ds = self._db(dataset, f"reading dataset {spec.dataset.id}")
         if ds is None:
             raise DataError(f"dataset {spec.dataset.id} was not found (deleted?)", param="dataset.id")
         local = self.store.local_path(ds.uri)
@@ -357,34 +364,41 @@ class JobRunner:
         eval_json = export_dir / "eval.json"
         if eval_json.is_file():
             metrics.setdefault("eval", json.loads(eval_json.read_text()))
-        with self.sessions() as session:
-            add_checkpoint(
-                session,
-                checkpoint_id=ckpt_id,
-                job_id=self.job_id,
-                project_id=job.project_id,
-                step=outcome.step,
-                uri=key,
-                files=files,
-                metrics=json_safe(metrics),
-            )
-            moved = jobstate.transition(
-                session,
-                self.job_id,
-                "succeeded",
-                expect=ACTIVE_STATUSES,
-                fence=self.attempt,
-                event=f"succeeded at step {outcome.step}; checkpoint {ckpt_id} published",
-                event_data={"checkpoint_id": ckpt_id, "step": outcome.step},
-                commit=False,
-                progress={"stage": "done", "step": outcome.step, "total_steps": outcome.step, "eta_s": 0},
-            )
-            if not moved:
-                # Someone else finished the job meanwhile: no row may point at our copy.
-                session.rollback()
-                self.store.delete(key)
-                return "lost"
-            session.commit()
+
+        def commit() -> bool:
+            with self.sessions() as session:
+                add_checkpoint(
+                    session,
+                    checkpoint_id=ckpt_id,
+                    job_id=self.job_id,
+                    project_id=job.project_id,
+                    step=outcome.step,
+                    uri=key,
+                    files=files,
+                    metrics=json_safe(metrics),
+                )
+                moved = jobstate.transition(
+                    session,
+                    self.job_id,
+                    "succeeded",
+                    expect=ACTIVE_STATUSES,
+                    fence=self.attempt,
+                    event=f"succeeded at step {outcome.step}; checkpoint {ckpt_id} published",
+                    event_data={"checkpoint_id": ckpt_id, "step": outcome.step},
+                    commit=False,
+                    progress={"stage": "done", "step": outcome.step, "total_steps": outcome.step, "eta_s": 0},
+                )
+                if not moved:
+                    session.rollback()
+                    # A retry after a commit whose answer the outage swallowed finds its own row.
+                    return find_checkpoint(session, ckpt_id) is not None
+                session.commit()
+                return True
+
+        if not self._db(commit, f"publishing checkpoint {ckpt_id}"):
+            # Someone else finished the job meanwhile: no row may point at our copy.
+            self.store.delete(key)
+            return "lost"
         return "succeeded"
 
 

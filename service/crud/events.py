@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -18,9 +19,13 @@ def add_event(
     *,
     level: str = "info",
     data: dict[str, Any] | None = None,
+    created_at: datetime | None = None,
 ) -> JobEvent:
-    """Add an event to the session (the caller commits)."""
-    event = JobEvent(job_id=job_id, created_at=utcnow(), level=level, type=type, message=message, data=data)
+    """Add an event to the session (the caller commits). `created_at` defaults to now; a worker that
+    buffered the event passes the time it happened."""
+    event = JobEvent(
+        job_id=job_id, created_at=created_at or utcnow(), level=level, type=type, message=message, data=data
+    )
     session.add(event)
     return event
 
