@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,9 @@ from tests.worker.conftest import Stack, toy_spec
 
 
 def test_interrupted_worker_never_undoes_a_cancel(
-    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from worker.progress import ProgressWriter
     from worker.runner import JobRunner
 
     spec = toy_spec(
@@ -26,22 +25,27 @@ def test_interrupted_worker_never_undoes_a_cancel(
     )
     job_id = stack.submit(spec, enqueue=False)
 
-    def cancel_then_interrupt() -> None:
-        stack.wait_for("training steps", lambda: (stack.job(job_id).progress or {}).get("step", 0) >= 1)
-        with stack.sessions() as s:
-            assert jobstate.transition(s, job_id, "cancelling", expect=("running",), event="cancel requested")
-        # Ctrl-C lands while the worker is still stopping (before its monitor even sees the cancel).
-        os.kill(os.getpid(), signal.SIGINT)
+    report = ProgressWriter.on_metrics
 
+    def cancel_then_interrupt(self: ProgressWriter, metrics: dict) -> None:
+        report(self, metrics)
+        if metrics.get("step") == 2:
+            with stack.sessions() as s:
+                assert jobstate.transition(
+                    s, job_id, "cancelling", expect=("running",), event="cancel requested"
+                )
+            # Ctrl-C lands on the training thread right after the cancel request, before the worker's
+            # monitor has seen it (a signal would race the monitor; this is the interleaving that matters).
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ProgressWriter, "on_metrics", cancel_then_interrupt)
     previous = signal.getsignal(signal.SIGUSR1)
-    thread = threading.Thread(target=cancel_then_interrupt)
-    thread.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             JobRunner(stack.settings, job_id, "in-process-worker").run()
     finally:
-        thread.join()
         signal.signal(signal.SIGUSR1, previous)
+    monkeypatch.undo()
 
     job = stack.job(job_id)
     assert job.status == "cancelled"
