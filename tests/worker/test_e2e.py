@@ -174,57 +174,6 @@ def test_worker_shutdown_checkpoints_requeues_and_the_job_resumes(
     assert stack.job(job_id).attempt == 2
 
 
-def test_sigkilled_worker_resumes_from_its_last_checkpoint(
-    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
-) -> None:
-    import os
-    import signal
-
-    import psutil
-
-    from worker.reconcile import reconcile_once
-
-    spec = toy_spec(
-        toy_verifier_dir,
-        toy_dataset_path,
-        # Long enough (the toy trains ~15 steps/s) that the kill lands mid-training.
-        training={"max_steps": 60, "checkpoint_every_steps": 2, "epochs": 10},
-    )
-    job_id = stack.submit(spec)
-    worker = stack.worker()
-    stack.wait_for("a mirrored checkpoint", lambda: (stack.job(job_id).resume_step or 0) >= 2, timeout=300)
-    horses = psutil.Process(worker.pid).children(recursive=True)
-    for p in [*horses, psutil.Process(worker.pid)]:
-        os.kill(p.pid, signal.SIGKILL)
-    worker.wait()
-    stack.procs.remove(worker)
-    saved = stack.job(job_id).resume_step
-    assert saved is not None and saved < 60
-    assert stack.job(job_id).status == "running"
-
-    report = stack.wait_for(
-        "the reconciler to notice the dead worker",
-        lambda: reconcile_once(stack.settings, redis=stack.redis, min_queued_age_s=0).requeued,
-        timeout=60,
-        every=1.0,
-    )
-    assert report == [job_id]
-    assert stack.job(job_id).status == "queued"
-    stack.run_burst()
-
-    job = stack.job(job_id)
-    assert job.status == "succeeded", job.error
-    assert job.attempt == 2
-    resumed = [e for e in stack.events(job_id) if e.data and e.data.get("resume_step") is not None]
-    assert resumed and resumed[0].data["resume_step"] >= saved
-    second = [m["step"] for m in stack.metrics(job_id) if m.get("attempt") == 2 and "loss" in m]
-    assert min(second) == resumed[0].data["resume_step"] + 1  # not from step 0
-    assert max(second) == 60
-    store = ArtifactStore(stack.settings.artifact_root)
-    for ckpt in stack.checkpoints(job_id):
-        assert store.verify_files(ckpt.uri, ckpt.files) == []
-
-
 def test_offline_and_hybrid_jobs_fill_the_cache(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
 ) -> None:

@@ -1,5 +1,6 @@
-"""Resume on any machine: a job whose worker died resumes on another worker with an empty scratch directory,
-from the training checkpoint mirrored to an S3 artifact store (a moto server over real HTTP)."""
+"""Resume on any machine: a job whose worker was SIGKILLed (worker and horse) resumes on another worker with an
+empty scratch directory, from the training checkpoint mirrored to an S3 artifact store (a moto server over
+real HTTP). This is also the suite's SIGKILL-and-resume test."""
 
 from __future__ import annotations
 
