@@ -114,7 +114,8 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    sessions = session_factory(get_settings().database_url)
+    settings = get_settings()
+    sessions = session_factory(settings.database_url)
 
     with sessions() as session:
         spec = JobSpec.model_validate(find_job(session, args.job_id).spec)
@@ -149,7 +150,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if progress is not None:
-            progress.close()
+            progress.close(tolerance_s=settings.db_outage_tolerance_s)
         monitor.stop()
     if rank == 0:
         atomic_write_json(args.result, dataclasses.asdict(Outcome.from_train_result(result)))
