@@ -64,8 +64,9 @@ def enqueue_run(redis: Redis, job_id: str, queue_name: str, timeout_s: int) -> R
         return RQJob.fetch(job_id, connection=redis)
 
 
-def _alive_key(job_id: str) -> str:
-    return f"peagle:alive:{job_id}"
+def _alive_key(job_id: str, attempt: int) -> str:
+    # One key per attempt: a stale attempt that wakes up can only vouch for itself, never for the newer one.
+    return f"peagle:alive:{job_id}:{attempt}"
 
 
 def mark_alive(redis: Redis, job_id: str, attempt: int, ttl_s: float) -> None:
@@ -75,10 +76,9 @@ def mark_alive(redis: Redis, job_id: str, attempt: int, ttl_s: float) -> None:
     stamp `heartbeat_at`, but this key (expired by Redis's own clock, so immune to skew) keeps the
     reconciler from taking a healthy job for a dead one.
     """
-    redis.set(_alive_key(job_id), attempt, ex=max(1, math.ceil(ttl_s)))
+    redis.set(_alive_key(job_id, attempt), 1, ex=max(1, math.ceil(ttl_s)))
 
 
-def alive_attempt(redis: Redis, job_id: str) -> int | None:
-    """The attempt of `job_id` that marked itself alive within its TTL, or None."""
-    value = redis.get(_alive_key(job_id))
-    return int(value) if value is not None else None
+def is_alive(redis: Redis, job_id: str, attempt: int) -> bool:
+    """Whether `attempt` of `job_id` marked itself alive within its TTL."""
+    return bool(redis.exists(_alive_key(job_id, attempt)))

@@ -31,7 +31,7 @@ from service.crud.events import add_event
 from service.crud.jobs import unfinished_jobs
 from service.db.models import Job
 from service.db.session import session_factory
-from service.queue import alive_attempt, enqueue_run, redis_from_url, rq_status
+from service.queue import enqueue_run, is_alive, redis_from_url, rq_status
 from service.settings import Settings
 from worker.cancel import stale_after_s
 
@@ -62,7 +62,7 @@ def _death_reason(job: Job, redis: Redis, now: datetime, stale_s: float) -> str 
     when RQ says the execution ended, or when the database heartbeat is older than `stale_s` by the
     database's own clock (`now`), so clock skew between machines never reads as death either.
     """
-    if alive_attempt(redis, job.id) == job.attempt:
+    if is_alive(redis, job.id, job.attempt):
         return None
     status = rq_status(redis, job.id)
     if status in _ENDED:
