@@ -41,7 +41,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.pg_cluster import PrivatePostgres, free_port, postgres_bindir  # noqa: E402
+from tests.fixtures.pg_cluster import PrivatePostgres, postgres_bindir  # noqa: E402
+from tests.fixtures.servers import free_port  # noqa: E402
 
 
 def emit(**fields: Any) -> None:

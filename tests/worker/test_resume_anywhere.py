@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import psutil
 import pytest
 
 from service.artifacts import ArtifactStore
+from tests.fixtures.servers import free_port
 from tests.worker.conftest import Stack, toy_spec
 
 
@@ -23,9 +23,7 @@ def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     """A moto S3 server on a free port, configured through the standard AWS variables (which the worker
     subprocesses inherit), and a fresh bucket."""
     moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (the [dev] extras)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {
