@@ -203,7 +203,9 @@ def test_dashboard_end_to_end(
     want_loss = api_rows(client, first, "loss")
     want_eval = api_rows(client, first, "eval/acceptance_length@2")
     assert want_loss == 8 and want_eval == 2
-    page.wait_for_function(f"() => document.getElementById('chart-loss').data?.[0]?.x.length === {want_loss}")
+    page.wait_for_function(
+        f"() => document.getElementById('chart-loss')?.data?.[0]?.x.length === {want_loss}"
+    )
     assert chart_points(page, "chart-loss") == [want_loss]
     assert chart_points(page, "chart-acc") == [
         api_rows(client, first, "acc_0"),
@@ -252,7 +254,7 @@ def test_dashboard_end_to_end(
     page.goto(f"{up.url}/ui/jobs/{long}")
     page.wait_for_selector("#job-status[data-status='running']", timeout=JOB_TIMEOUT_MS)
     page.wait_for_function(
-        "() => document.getElementById('chart-loss').data?.[0]?.x.length > 0", timeout=JOB_TIMEOUT_MS
+        "() => document.getElementById('chart-loss')?.data?.[0]?.x.length > 0", timeout=JOB_TIMEOUT_MS
     )
     page.get_by_role("button", name="Cancel job").click()
     page.wait_for_selector("#job-status[data-status='cancelled']", timeout=JOB_TIMEOUT_MS)
@@ -264,11 +266,11 @@ def test_dashboard_end_to_end(
     page.get_by_label("ui-first", exact=False).check()
     page.get_by_label("ui-second", exact=False).check()
     page.get_by_role("button", name="Compare").click()
-    page.wait_for_function("() => (document.getElementById('chart-compare').data || []).length === 2")
+    page.wait_for_function("() => (document.getElementById('chart-compare')?.data || []).length === 2")
     assert chart_points(page, "chart-compare") == [want_loss, api_rows(client, second, "loss")]
     page.get_by_label("Metric", exact=True).select_option("eval")
     page.wait_for_function(
-        "() => document.getElementById('chart-compare').data.every(t => t.name.includes('ours K=2'))"
+        "() => document.getElementById('chart-compare')?.data?.every(t => t.name.includes('ours K=2'))"
     )
     page.get_by_label("Metric", exact=True).select_option("loss")
     page.screenshot(path=str(SHOTS / "compare.png"), full_page=True)

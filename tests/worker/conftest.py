@@ -47,6 +47,15 @@ def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str,
     return spec
 
 
+def toy_roots(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Server roots a test worker must allow: it re-checks every path of a spec, and the toy verifier and
+    corpus live in the session's tmp tree (or in $PEAGLE_CACHE_DIR, tests/fixtures/toy.py)."""
+    roots = [tmp_path_factory.getbasetemp()]
+    if os.environ.get("PEAGLE_CACHE_DIR"):
+        roots.append(Path(os.environ["PEAGLE_CACHE_DIR"]))
+    return roots
+
+
 class Stack:
     """The test's view of the service: database sessions, Redis, and worker subprocesses."""
 
@@ -179,9 +188,7 @@ def stack(
 ) -> Iterator[Stack]:
     # Workers and the reconciler act on every job in the database: give each test a database of its own.
     # The worker re-checks server paths, so the session's tmp tree (toy verifier, corpus) is an allowed root.
-    roots = [tmp_path_factory.getbasetemp()]
-    if os.environ.get("PEAGLE_CACHE_DIR"):  # the toy verifier is cached there instead (tests/fixtures/toy.py)
-        roots.append(Path(os.environ["PEAGLE_CACHE_DIR"]))
+    roots = toy_roots(tmp_path_factory)
     settings = make_settings(
         database_url=isolated_db_url,
         worker_heartbeat_s=1.0,

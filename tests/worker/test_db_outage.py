@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.pg_cluster import PrivatePostgres, postgres_bindir
-from tests.worker.conftest import Stack, toy_spec
+from tests.worker.conftest import Stack, toy_roots, toy_spec
 
 OUTAGE_S = 60.0
 
@@ -40,6 +40,7 @@ def test_a_one_minute_database_outage_mid_job_is_ridden_out(
     toy_verifier_dir: Path,
     toy_dataset_path: Path,
     tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     from fastapi.testclient import TestClient
     from sqlalchemy import select
@@ -52,7 +53,13 @@ def test_a_one_minute_database_outage_mid_job_is_ridden_out(
     from worker.reconcile import reconcile_once
 
     upgrade(private_pg.url)
-    settings = make_settings(database_url=private_pg.url, worker_heartbeat_s=1.0)
+    roots = toy_roots(tmp_path_factory)
+    settings = make_settings(
+        database_url=private_pg.url,
+        worker_heartbeat_s=1.0,
+        allowed_model_roots=roots,
+        allowed_data_roots=roots,
+    )
     stack = Stack(settings, redis_conn, tmp_path)
     with session_scope(private_pg.url) as s:
         key, row = create_key(s, "outage")

@@ -15,7 +15,7 @@ import pytest
 
 from service.artifacts import ArtifactStore
 from tests.fixtures.servers import free_port
-from tests.worker.conftest import Stack, toy_spec
+from tests.worker.conftest import Stack, toy_roots, toy_spec
 
 
 @pytest.fixture
@@ -49,11 +49,17 @@ def test_a_second_worker_resumes_from_the_mirrored_checkpoint(
     toy_verifier_dir: Path,
     toy_dataset_path: Path,
     tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     from worker.reconcile import reconcile_once
 
+    roots = toy_roots(tmp_path_factory)
     settings = make_settings(
-        database_url=isolated_db_url, artifact_root="s3://peagle-resume/root", worker_heartbeat_s=1.0
+        database_url=isolated_db_url,
+        artifact_root="s3://peagle-resume/root",
+        worker_heartbeat_s=1.0,
+        allowed_model_roots=roots,
+        allowed_data_roots=roots,
     )
     stack = Stack(settings, redis_conn, tmp_path)
     stack.env.update(s3_env)
