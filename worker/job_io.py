@@ -19,7 +19,7 @@ from peagle_core.errors import PeagleError
 from service.crud.events import add_event
 
 # The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
-STAGES = ("prepare", "hidden_states", "train", "eval", "export")
+STAGES = ("regenerate", "prepare", "hidden_states", "train", "eval", "export")
 
 OnEvent = Callable[[str, str, dict[str, Any] | None], None]
 

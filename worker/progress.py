@@ -93,6 +93,10 @@ class ProgressWriter:
     def set_stage(self, stage: str) -> None:
         self._put(("stage", stage), urgent=True)
 
+    def set_fields(self, **fields: Any) -> None:
+        """Merge `fields` into the job's progress (a stage's own counters, e.g. `regenerate`, `eta_s`)."""
+        self._put(("fields", json_safe(fields)), urgent=False)
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until everything reported so far is written; re-raises the write's error."""
         if not self._thread.is_alive():
@@ -152,6 +156,9 @@ class ProgressWriter:
                 requests.append(item)
             elif item[0] == "stage":
                 self.progress["stage"] = item[1]
+                self._dirty = True
+            elif item[0] == "fields":
+                self.progress.update(item[1])
                 self._dirty = True
             else:
                 self._add_row(*item[1:])
