@@ -111,7 +111,7 @@ def main() -> None:
         params = RegenParams(max_new_tokens=args.regen_max_new_tokens, seq_len=512, engine=args.regen_engine)
         sources["regenerated"] = work / "regenerated.jsonl"
         report = regenerate(
-            str(verifier_dir), sources["dataset"], sources["regenerated"], params, batch_size=32
+            str(verifier_dir), sources["dataset"], sources["regenerated"], params, batch_size=64
         )
         emit(event="regenerated", engine=args.regen_engine, **report.to_dict(), loadavg=list(os.getloadavg()))
 

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from service.api import errors
-from service.api.routes import checkpoints, datasets, health, jobs
+from service.api.routes import checkpoints, datasets, health, jobs, plans
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
 from service.db.session import session_factory
@@ -61,6 +61,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    for module in (health, jobs, datasets, checkpoints):
+    for module in (health, plans, jobs, datasets, checkpoints):
         app.include_router(module.router)
     return app
