@@ -41,7 +41,7 @@ def test_a_worker_plans_the_job_and_nothing_is_queued(
     spec = toy_spec(
         toy_verifier_dir,
         data,
-        dataset={"max_samples": 16, "regenerate": {"max_new_tokens": 4}},
+        dataset={"max_samples": 16},
         training={"max_steps": 3},
     )
     stack.worker()
@@ -51,7 +51,7 @@ def test_a_worker_plans_the_job_and_nothing_is_queued(
     assert plan["estimates_from"] == "calibration"
     assert plan["counts"]["samples"] == 16 and plan["optimizer_steps"] == 3
     assert set(plan["stages_s"]) == {"regenerate", "hidden_states", "train", "eval"}
-    assert plan["stages_s"]["regenerate"] > 0 and plan["stages_s"]["train"] > 0
+    assert plan["stages_s"]["regenerate"] == 0 and plan["stages_s"]["train"] > 0
     assert set(plan["cache"]["by_dtype"]) == {"bf16", "fp8", "fp32"}
     assert plan["cache"]["free_bytes"] > 0
 
