@@ -165,3 +165,28 @@ def test_vllm_and_transformers_write_the_same_text_at_temperature_0(
     report = regenerate(str(toy_verifier_dir), chat_data, out, params, vllm_engine=vllm_engine)
     assert report.turns > 0 and report.generated_tokens > 0
     assert out.read_text() == reference.read_text()
+
+
+def test_peagle_train_regenerates_before_preparing(
+    toy_verifier_dir: Path, chat_data: Path, tmp_path: Path
+) -> None:
+    from peagle_core.builders import prepare_data
+    from peagle_core.distributed import DistInfo
+    from peagle_core.spec import parse_spec
+
+    spec = parse_spec(
+        {
+            "verifier": {"name_or_path": str(toy_verifier_dir)},
+            "dataset": {
+                "path": str(chat_data),
+                "seq_len": 128,
+                "max_samples": 4,
+                "regenerate": {"max_new_tokens": 4},
+            },
+            "training": {"total_seq_len": 256},
+        }
+    )
+    dataset = prepare_data(spec, tmp_path, None, DistInfo())
+    regenerated = tmp_path / "regenerated" / "data.jsonl"
+    assert dataset.manifest["source_path"] == str(regenerated) and len(dataset) == 4
+    assert json.loads(provenance_path(regenerated).read_text())["params"]["max_new_tokens"] == 4
