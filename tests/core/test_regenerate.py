@@ -190,3 +190,23 @@ def test_peagle_train_regenerates_before_preparing(
     regenerated = tmp_path / "regenerated" / "data.jsonl"
     assert dataset.manifest["source_path"] == str(regenerated) and len(dataset) == 4
     assert json.loads(provenance_path(regenerated).read_text())["params"]["max_new_tokens"] == 4
+
+
+def test_the_spec_field_accepts_true_false_or_settings_and_names_bad_ones() -> None:
+    from peagle_core.spec import SpecError, parse_spec
+
+    base = {"verifier": {"name_or_path": "v"}, "dataset": {"path": "d.jsonl"}}
+    assert parse_spec(base).model_dump()["dataset"]["regenerate"] is False
+    on = parse_spec({**base, "dataset": {"path": "d.jsonl", "regenerate": True}})
+    assert on.dataset.regenerate.max_new_tokens == 512 and on.dataset.regenerate.engine == "transformers"
+    assert parse_spec(on.model_dump()).dataset.regenerate == on.dataset.regenerate
+    for bad, param in (
+        ({"engine": "sglang"}, "dataset.regenerate.engine"),
+        ({"max_new_tokens": 0}, "dataset.regenerate.max_new_tokens"),
+        ({"temperature": -1}, "dataset.regenerate.temperature"),
+    ):
+        with pytest.raises(SpecError) as err:
+            parse_spec({**base, "dataset": {"path": "d.jsonl", "regenerate": bad}})
+        assert err.value.param == param
+    with pytest.raises(SpecError, match="regenerate needs chat data"):
+        parse_spec({**base, "dataset": {"path": "d.jsonl", "format": "tokenized", "regenerate": True}})
