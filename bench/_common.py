@@ -1,4 +1,5 @@
-"""Shared benchmark helpers: JSON-line output, a measured fp32 GEMM peak for MFU, and process memory."""
+"""Shared benchmark helpers: JSON-line output, a measured GEMM peak and model FLOP counts for MFU, and
+process memory."""
 
 from __future__ import annotations
 
@@ -18,16 +19,57 @@ def emit(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def gemm_peak_flops(n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
-    """Best observed FLOP/s of an n x n matmul on this machine (the denominator of MFU)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm up the BLAS thread pool
+def gemm_peak_flops(
+    n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> float:
+    """Best observed FLOP/s of an n x n matmul on `device` (the denominator of MFU)."""
+    device = torch.device(device)
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # warm up the BLAS thread pool / cuBLAS handle
     best = float("inf")
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
+
+
+def trunk_flops_per_row(cfg: Any) -> int:
+    """Forward matmul FLOPs of one drafter row through fc and the decoder layers (attention scores aside)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    flops = 2 * 3 * h * h  # fc
+    for layer in range(cfg.num_layers):
+        d_in = 2 * h if layer == 0 else h
+        flops += 2 * d_in * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * i
+    return flops
+
+
+def drafter_step_flops(cfg: Any, seq_len: int, positions: list[int]) -> int:
+    """Model FLOPs of one training step over a packed row: trunk and drafter lm_head forward + backward
+    (3x), the frozen teacher head forward only. `positions[d]` counts the loss rows at depth d."""
+    rows = seq_len + sum(positions[1:])  # depth 0 covers every position; deeper rows are loss rows
+    head = 2 * cfg.hidden_size * cfg.draft_vocab_size
+    return 3 * rows * trunk_flops_per_row(cfg) + sum(positions) * (3 * head + head)
+
+
+def llama_forward_flops(cfg: Any, lengths: list[int], lm_head: bool = False) -> int:
+    """Forward FLOPs of a Llama-shaped HF model over sequences of `lengths`: the matmuls of every layer,
+    causal attention scores and values, and the lm_head when asked."""
+    h, i, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    per_token = n_layers * (2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * i)
+    if lm_head:
+        per_token += 2 * h * cfg.vocab_size
+    tokens = sum(lengths)
+    # QK^T and PV: 2 * 2 * q per visible key; a causal row sees on average (T + 1) / 2 keys.
+    attention = n_layers * sum(4 * q * t * (t + 1) // 2 for t in lengths)
+    return per_token * tokens + attention
 
 
 def rss_mb() -> float:

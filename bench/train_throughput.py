@@ -15,18 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import emit, gemm_peak_flops
-
-
-def trunk_flops_per_row(cfg) -> int:
-    """Forward matmul FLOPs of one drafter row through fc and the decoder layers (attention scores aside)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    flops = 2 * 3 * h * h  # fc
-    for layer in range(cfg.num_layers):
-        d_in = 2 * h if layer == 0 else h
-        flops += 2 * d_in * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * i
-    return flops
+from _common import drafter_step_flops, emit, gemm_peak_flops
 
 
 def main() -> None:
@@ -84,7 +73,7 @@ def main() -> None:
         epoch += 1
     loader = iter(BatchLoader(dataset, source, bins[: args.steps + args.warmup], total_seq_len=args.seq_len))
 
-    tokens = rows = loss_rows = 0
+    tokens = flops = 0
     elapsed = 0.0
     for i in range(args.steps + args.warmup):
         batch = next(loader).to(device)
@@ -105,12 +94,8 @@ def main() -> None:
         positions = [int(metrics[f"positions_{d}"]) for d in range(cfg.num_depths)]
         elapsed += dt
         tokens += batch.num_tokens
-        rows += args.seq_len + sum(positions[1:])  # depth 0 covers every position; deeper rows are loss rows
-        loss_rows += sum(positions)
+        flops += drafter_step_flops(cfg, args.seq_len, positions)
 
-    head = 2 * cfg.hidden_size * cfg.draft_vocab_size
-    # fwd+bwd (3x) for the trunk and the drafter's lm_head; the frozen teacher head is forward only.
-    flops = 3 * rows * trunk_flops_per_row(cfg) + loss_rows * (3 * head + head)
     peak = gemm_peak_flops() if device.type == "cpu" else float("nan")
     achieved = flops / elapsed
     emit(

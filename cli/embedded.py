@@ -121,6 +121,7 @@ class EmbeddedStack:
     stop_timeout_s: float = 120.0
     children: list[Child] = field(default_factory=list)
     api_key: str = ""
+    files_dir: Path | None = None  # the local project's server files area (dataset.path, cache_uri)
     _redis: object | None = None
     _env: dict[str, str] = field(default_factory=dict)
     _lock_fd: int | None = None
@@ -135,7 +136,8 @@ class EmbeddedStack:
         self.data_dir = self.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.data_dir, 0o700)
-        (self.data_dir / "logs").mkdir(exist_ok=True)
+        for sub in ("logs", "models", "projects"):
+            (self.data_dir / sub).mkdir(exist_ok=True)
         self._take_lock()
         if not _port_free(self.host, self.port):
             raise StackError(f"port {self.port} on {self.host} is in use; pick another with --port")
@@ -150,6 +152,7 @@ class EmbeddedStack:
 
         upgrade(settings.database_url)
         self.api_key = ensure_local_key(self.data_dir, settings.database_url)
+        self.files_dir = _project_files_dir(self.data_dir, settings.database_url, self.api_key)
         logs = self.data_dir / "logs"
         self.children = [
             Child(
@@ -197,12 +200,13 @@ class EmbeddedStack:
             {
                 "PEAGLE_DATA_DIR": str(self.data_dir),
                 "PEAGLE_REDIS_URL": redis_url,
+                # Never the data dir itself (database, key file, every project's artifacts): models go in
+                # <data_dir>/models, a project's server files in <data_dir>/projects/<project id>/.
                 "PEAGLE_ALLOWED_MODEL_ROOTS": _roots(
-                    "PEAGLE_ALLOWED_MODEL_ROOTS", [self.data_dir, toy_cache_root()]
+                    "PEAGLE_ALLOWED_MODEL_ROOTS", [self.data_dir / "models", toy_cache_root()]
                 ),
-                "PEAGLE_ALLOWED_DATA_ROOTS": _roots(
-                    "PEAGLE_ALLOWED_DATA_ROOTS", [self.data_dir, toy_cache_root()]
-                ),
+                "PEAGLE_ALLOWED_DATA_ROOTS": _roots("PEAGLE_ALLOWED_DATA_ROOTS", [toy_cache_root()]),
+                "PEAGLE_PROJECT_FILES_ROOT": str(self.data_dir / "projects"),
                 "PYTHONUNBUFFERED": "1",
             }
         )
@@ -249,6 +253,19 @@ class EmbeddedStack:
             os.close(self._lock_fd)
             self._lock_fd = None
         return codes
+
+
+def _project_files_dir(data_dir: Path, database_url: str, key: str) -> Path:
+    """`<data_dir>/projects/<project id>/`, created: the one data directory the local project may name."""
+    from service.crud.projects import project_for_key
+    from service.db.session import session_scope
+
+    with session_scope(database_url) as session:
+        project = project_for_key(session, key)
+        assert project is not None  # ensure_local_key just checked or created it
+        path = data_dir / "projects" / project.id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def ensure_local_key(data_dir: Path, database_url: str) -> str:

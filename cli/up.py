@@ -37,6 +37,7 @@ def up(
         typer.echo(f"peagle is up at {stack.url}")
         typer.echo(f"API key:   {stack.api_key}")
         typer.echo(f"data dir:  {stack.data_dir}  (logs in {stack.data_dir / 'logs'})")
+        typer.echo(f"files:     {stack.files_dir}  (server paths for dataset.path / cache_uri)")
         typer.echo("try:       peagle demo   |   peagle jobs list   (Ctrl-C stops everything)", err=True)
         stack.run_until_stopped()
     except StackError as exc:

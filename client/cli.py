@@ -201,6 +201,14 @@ def jobs_cancel(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
         typer.echo(f"{job_id}: {job.get('status')}")
 
 
+@jobs_app.command("delete")
+def jobs_delete(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+    """Delete a finished job, its checkpoints and its files."""
+    with connect(url, key) as client:
+        client.delete_job(job_id)
+        typer.echo(f"deleted {job_id}")
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 
 
@@ -209,7 +217,15 @@ def checkpoints_list(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> Non
     """List a job's published checkpoints."""
     with connect(url, key) as client:
         rows = client.list_checkpoints(job_id).get("data", [])
-        _table(rows, ["id", "step", "size", "sha256", "created_at"])
+        _table(rows, ["id", "step", "servable", "size", "sha256", "created_at"])
+
+
+@checkpoints_app.command("delete")
+def checkpoints_delete(checkpoint_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+    """Delete a published checkpoint and its files."""
+    with connect(url, key) as client:
+        client.delete_checkpoint(checkpoint_id)
+        typer.echo(f"deleted {checkpoint_id}")
 
 
 @checkpoints_app.command("download")
@@ -262,3 +278,11 @@ def datasets_list(url: UrlOpt = None, key: KeyOpt = None) -> None:
     with connect(url, key) as client:
         rows = client.list_datasets().get("data", [])
         _table(rows, ["id", "filename", "num_records", "size", "created_at"])
+
+
+@datasets_app.command("delete")
+def datasets_delete(dataset_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+    """Delete an uploaded dataset (refused while an unfinished job uses it)."""
+    with connect(url, key) as client:
+        client.delete_dataset(dataset_id)
+        typer.echo(f"deleted {dataset_id}")

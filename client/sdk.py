@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import httpx
@@ -147,10 +148,23 @@ class PeagleClient:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def create_job(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
-        """POST a job spec (a JobSpec-shaped dict); the server validates it and answers the job record."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return self._json("POST", "/v1/jobs", json={"spec": spec}, headers=headers)
+    def create_job(
+        self, spec: dict[str, Any], *, idempotency_key: str | None = None, retries: int = 4
+    ) -> dict[str, Any]:
+        """POST a job spec (a JobSpec-shaped dict); the server validates it and answers the job record.
+
+        Every create carries an `Idempotency-Key` (a fresh one unless given), so retrying after a 503 or
+        a dropped connection, which this does `retries` times with backoff, never creates the job twice.
+        """
+        headers = {"Idempotency-Key": idempotency_key or f"peagle-{uuid.uuid4().hex}"}
+        for attempt in range(retries + 1):
+            try:
+                return self._json("POST", "/v1/jobs", json={"spec": spec}, headers=headers)
+            except ClientError as exc:
+                if attempt == retries or not (exc.status == 503 or exc.code == "unreachable"):
+                    raise
+            time.sleep(min(0.5 * 2**attempt, 8.0))
+        raise AssertionError("unreachable")
 
     def plan_job(
         self, spec: dict[str, Any], *, recalibrate: bool = False, timeout: float = 3600.0
@@ -174,6 +188,16 @@ class PeagleClient:
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._json("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def delete_job(self, job_id: str) -> dict[str, Any]:
+        """Delete a finished job with its checkpoints and files."""
+        return self._json("DELETE", f"/v1/jobs/{job_id}")
+
+    def delete_dataset(self, dataset_id: str) -> dict[str, Any]:
+        return self._json("DELETE", f"/v1/datasets/{dataset_id}")
+
+    def delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+        return self._json("DELETE", f"/v1/checkpoints/{checkpoint_id}")
 
     def job_events(
         self, job_id: str, *, after: int | str | None = None, limit: int | None = None
@@ -319,16 +343,34 @@ class PeagleClient:
         if on_total is not None:
             on_total(sum(int(f["size"]) for f in ckpt["files"]))
         out = Path(out_dir)
-        for f in ckpt["files"]:
+        targets = [_inside(out, f["name"]) for f in ckpt["files"]]  # all names checked before any write
+        for f, target in zip(ckpt["files"], targets, strict=True):
             self.download_file(
                 checkpoint_id,
                 f["name"],
-                out / f["name"],
+                target,
                 sha256=f["sha256"],
                 size=f["size"],
                 on_bytes=on_bytes,
             )
         return out
+
+
+def _inside(out: Path, name: object) -> Path:
+    """`out / name` for a plain relative file name from the server; ClientError for a name that would
+    write outside `out` (absolute, `..`, `~`, a backslash, a symlink out of `out`) whatever the server sent."""
+    ok = isinstance(name, str) and name and not name.startswith(("/", "~")) and "\\" not in name
+    parts = PurePosixPath(name).parts if ok else ()
+    if not ok or ".." in parts or "\x00" in name:
+        raise ClientError(
+            0, "integrity_error", "unsafe_file_name", f"the server sent an unsafe file name {name!r}"
+        )
+    target = out / PurePosixPath(name)
+    if not target.resolve().is_relative_to(out.resolve()):
+        raise ClientError(
+            0, "integrity_error", "unsafe_file_name", f"file {name!r} would be written outside {out}"
+        )
+    return target
 
 
 def _matches(path: Path, size: int, sha256: str) -> bool:

@@ -21,6 +21,7 @@ from peagle_core.data.prepare import prepare_for_spec
 from peagle_core.errors import DataError
 from peagle_core.evaluate import held_out_prompts
 from peagle_core.hidden_states import HiddenStateSource, VerifierCompute, make_source
+from peagle_core.init_from import init_layer_ids, load_init_checkpoint
 from peagle_core.model import PEagleDraftModel
 from peagle_core.objective import Teacher
 from peagle_core.spec import JobSpec
@@ -60,7 +61,8 @@ def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:
         revision=spec.verifier.revision,
         dtype=spec.verifier.dtype,
         device=str(device),
-        layer_ids=spec.verifier.layer_ids,
+        # A job that starts from a checkpoint feeds it the verifier layers it was trained on by default.
+        layer_ids=spec.verifier.layer_ids or init_layer_ids(spec),
         trust_remote_code=spec.verifier.trust_remote_code,
     )
 
@@ -94,7 +96,9 @@ def build_source(
 
 def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device) -> PEagleDraftModel:
     """A fresh drafter shaped by the verifier, with the data's vocab map; embeddings (and lm_head) copied
-    from the verifier as the spec asks."""
+    from the verifier as the spec asks. With `model.init_from`, the checkpoint's drafter instead."""
+    if spec.model.init_from is not None:
+        return load_init_checkpoint(spec, verifier.config, list(verifier.layer_ids)).to(device)
     config = PEagleConfig.from_verifier(
         verifier.config,
         **spec.model.drafter_settings(),

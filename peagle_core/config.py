@@ -7,7 +7,7 @@ shape read from the verifier's HF config. Imports no torch, so the job spec stay
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +19,9 @@ DEFAULT_DRAFT_VOCAB_SIZE = 32000
 # position streams are equal, which is plain RoPE; and vLLM refuses parallel drafting for a drafter
 # whose rope config declares M-RoPE.
 MROPE_KEYS = ("mrope_section", "mrope_interleaved", "xdrope_section")
+# The drafter layer families vLLM's speculators loader maps (`update_peagle`: model_type -> architecture);
+# qwen3 adds an RMSNorm over each head of q and k before RoPE.
+LayerType = Literal["llama", "qwen3"]
 
 
 class DrafterSettings(BaseModel):
@@ -30,8 +33,12 @@ class DrafterSettings(BaseModel):
     num_depths: int = Field(default=4, ge=1, le=32)
     down_sample_ratio: float = Field(default=0.7, gt=0.0, le=1.0)
     down_sample_ratio_min: float = Field(default=0.2, ge=0.0, le=1.0)
-    max_anchors: int | None = Field(default=None, ge=1)
+    max_anchors: int | None = Field(default=None, ge=1, le=131072)
     norm_before_residual: bool = True
+    layer_type: LayerType = Field(
+        default="llama",
+        description="Decoder layer family, as vLLM serves it: llama, or qwen3 (q/k RMSNorm per head).",
+    )
 
     def drafter_settings(self) -> dict[str, Any]:
         """Just the `DrafterSettings` fields, for a subclass (the job spec) to hand to `PEagleConfig`."""

@@ -46,7 +46,7 @@ class CheckpointError(PeagleError):
 
     code = "invalid_checkpoint"
 
-    def __init__(self, problems: list[str], *, path: str | None = None):
+    def __init__(self, problems: list[str], *, path: str | None = None, param: str | None = None):
         self.problems = list(problems)
         where = f"{path}: " if path else ""
-        super().__init__(where + "; ".join(self.problems), param=path)
+        super().__init__(where + "; ".join(self.problems), param=param or path)

@@ -1,42 +1,31 @@
-"""Publishing a drafter: the vLLM-loadable checkpoint directory with its model card, validated before it appears.
+"""Publishing a drafter: the vLLM-loadable checkpoint directory with its model card, checked before it appears.
 
-The format is `peagle_core.speculators`, the checks `peagle_core.validate` (docs/architecture.md,
-Checkpoint contract). `serve_command` is the vLLM command line the card and the demo print.
+The format is `peagle_core.speculators`, the static checks `peagle_core.validate`, the serving check
+`peagle_core.serving_check` (docs/architecture.md, Checkpoint contract). `serve_command` is the vLLM
+command line the card and the demo print.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from peagle_core.errors import CheckpointError
-from peagle_core.speculators import write_checkpoint
+from peagle_core.serve import serve_command, speculative_config
+from peagle_core.serving_check import ServingCheck
+from peagle_core.speculators import CARD_NAME, write_checkpoint
 from peagle_core.validate import validate_checkpoint
 
 if TYPE_CHECKING:
     from peagle_core.config import PEagleConfig
     from peagle_core.model import PEagleDraftModel
 
-__all__ = ["export_checkpoint", "model_card", "serve_command", "validate_checkpoint"]
+__all__ = ["export_checkpoint", "model_card", "serve_command", "speculative_config", "validate_checkpoint"]
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # `ExportSpec.dtype` -> torch
-
-
-def serve_command(verifier: str, checkpoint_dir: str | Path, k: int) -> str:
-    """The exact command that serves this drafter with vLLM (P-EAGLE needs the V1 model runner)."""
-    spec = json.dumps(
-        {
-            "model": str(checkpoint_dir),
-            "method": "eagle3",
-            "num_speculative_tokens": k,
-            "parallel_drafting": True,
-        }
-    )
-    return f"VLLM_USE_V2_MODEL_RUNNER=0 vllm serve {verifier} --speculative-config '{spec}'"
 
 
 def model_card(
@@ -47,8 +36,9 @@ def model_card(
     data_fingerprint: str | None,
     metrics: Mapping[str, Any] | None,
     model_config: PEagleConfig,
+    serving: ServingCheck | None = None,
 ) -> str:
-    """A README that says what this drafter was trained against and how to serve it."""
+    """A README that says what this drafter was trained against, whether vLLM served it, and how."""
     lines = [
         "# P-EAGLE drafter",
         "",
@@ -69,6 +59,7 @@ def model_card(
         lines += [f"- {name}: {value}" for name, value in sorted(metrics.items())]
     else:
         lines.append("- none recorded")
+    lines += ["", *_serving_section(serving)]
     lines += [
         "",
         "## Serve with vLLM (0.28 or later)",
@@ -81,6 +72,20 @@ def model_card(
     return "\n".join(lines)
 
 
+def _serving_section(check: ServingCheck | None) -> list[str]:
+    lines = ["## Checked in vLLM", ""]
+    if check is None or check.status != "verified":
+        reason = check.reason if check else "no serving check was run"
+        return [*lines, f"- servable: **unverified** ({reason})"]
+    rates = ", ".join(f"{r:.2f}" for r in check.acceptance_rate_per_position)
+    return [
+        *lines,
+        f"- servable: **verified** by {check.engine}: it loaded this checkpoint and its greedy output with "
+        f"the drafter (K={check.k}) equalled its output without it on {check.prompts} prompts",
+        f"- vLLM acceptance length at K={check.k}: {check.acceptance_length:.3f} (per position: {rates})",
+    ]
+
+
 def export_checkpoint(
     model: PEagleDraftModel,
     out_dir: str | Path,
@@ -91,36 +96,45 @@ def export_checkpoint(
     metrics: Mapping[str, Any] | None = None,
     speculative_tokens: int | None = None,
     dtype: Literal["bf16", "fp32"] = "bf16",
+    serving: Callable[[Path], ServingCheck] | None = None,
 ) -> Path:
-    """Write the checkpoint directory with its model card, atomically and only if it validates.
+    """Write the checkpoint directory with its model card, atomically and only if it passes every check.
 
-    This is the one place an export is validated: against the contract and, given `verifier_config`
-    (an HF config or dict), against the verifier it will be served with. CheckpointError lists every
-    problem; nothing appears at `out_dir` then. `dtype` is the float tensors' dtype (`export.dtype`).
+    This is the one place an export is checked: against the contract and, given `verifier_config`
+    (an HF config or dict), against the verifier it will be served with; CheckpointError lists every
+    problem. Then `serving(tmp_dir)` (the vLLM gate, `serving_check.check_in_vllm`) runs on the finished
+    files; its NotServableError also leaves nothing at `out_dir`. Its result is saved as serving.json
+    and shown on the model card. `dtype` is the float tensors' dtype (`export.dtype`).
     """
     out_dir = Path(out_dir)
     config = model.config.model_copy(update={"verifier_name_or_path": verifier_name_or_path})
     k = int(speculative_tokens or config.num_depths)
-    readme = model_card(
-        verifier=verifier_name_or_path,
-        checkpoint_dir=out_dir,
-        k=k,
-        data_fingerprint=data_fingerprint,
-        metrics=metrics,
-        model_config=config,
-    )
+
+    def readme(check: ServingCheck | None) -> str:
+        return model_card(
+            verifier=verifier_name_or_path,
+            checkpoint_dir=out_dir,
+            k=k,
+            data_fingerprint=data_fingerprint,
+            metrics=metrics,
+            model_config=config,
+            serving=check,
+        )
 
     def check(tmp: Path) -> None:
         problems = validate_checkpoint(tmp, verifier_config)
         if problems:
             raise CheckpointError(problems, path=str(out_dir))
+        result = serving(tmp) if serving is not None else ServingCheck.unverified("no serving check was run")
+        result.save(tmp)
+        (tmp / CARD_NAME).write_text(readme(result))
 
     return write_checkpoint(
         out_dir,
         config,
         model.state_dict(),
         speculative_tokens=k,
-        readme=readme,
+        readme=readme(None),
         dtype=EXPORT_DTYPES[dtype],
         check=check,
     )

@@ -49,7 +49,8 @@ class _FusedLinearKL(torch.autograd.Function):
             kl[rows] = (p * (teacher_logp - logq)).sum(-1)
             correct[rows] = logits.argmax(-1) == teacher_logp.argmax(-1)
             grad_logits = (logq.exp() - p) * row_weight[rows, None]
-            grad_hidden[rows] = grad_logits @ weight.float()
+            # Under autocast the matmul comes back in bf16; the accumulators stay fp32.
+            grad_hidden[rows] = (grad_logits @ weight.float()).to(grad_hidden.dtype)
             if grad_weight is not None:
                 grad_weight += grad_logits.T @ h.float()
         ctx.save_for_backward(grad_hidden, grad_weight)

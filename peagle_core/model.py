@@ -1,7 +1,8 @@
-"""The P-EAGLE drafter: an EAGLE-3 Llama drafter that predicts all parallel depths in one pass.
+"""The P-EAGLE drafter: an EAGLE-3 drafter (Llama or Qwen3 layers) that predicts all parallel depths at once.
 
-The math follows vLLM's `llama_eagle3.py` (layer 0 attends over [norm(embedding); hidden_norm(fc(aux))],
-fused add+norm residuals) so a checkpoint serves as-is; parameter names are the checkpoint's names.
+The math follows vLLM's `llama_eagle3.py` and `qwen3_eagle3.py` (layer 0 attends over [norm(embedding);
+hidden_norm(fc(aux))], fused add+norm residuals) so a checkpoint serves as-is; parameter names are the
+checkpoint's names.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class PEagleAttention(nn.Module):
         self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.layer_type == "qwen3":  # Qwen3 attention: RMSNorm over each head of q and k, before RoPE
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -47,6 +53,8 @@ class PEagleAttention(nn.Module):
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if expand is not None:  # rows with identical inputs were projected once
             q, k, v = q[expand], k[expand], v[expand]
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)

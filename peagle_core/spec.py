@@ -24,6 +24,15 @@ from peagle_core.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings, ascend
 from peagle_core.errors import PeagleError
 
 _QUEUE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+# Upper bounds on what a client may ask for: far above any real job, low enough that a hostile or mistyped
+# spec cannot make the worker allocate, loop or store without limit.
+MAX_STEPS = 100_000_000
+MAX_LAYER_ID = 1023
+MAX_SAMPLES = 1_000_000_000
+MAX_CACHE_BYTES = 1 << 50  # 1 PiB
+MAX_PROMPTS = 1000
+MAX_PROMPT_CHARS = 32768
+MAX_SEED = (1 << 63) - 1  # seeds travel as signed 64-bit integers (torch, numpy, Postgres BIGINT)
 
 
 class _Strict(BaseModel):
@@ -37,7 +46,7 @@ class VerifierSpec(_Strict):
     name_or_path: Annotated[str, Field(min_length=1, max_length=1024)]
     revision: str | None = Field(default=None, max_length=256)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    layer_ids: list[int] | None = Field(
+    layer_ids: list[Annotated[int, Field(ge=0, le=MAX_LAYER_ID)]] | None = Field(
         default=None,
         description="Three verifier layers whose hidden states feed the drafter, sorted ascending (the order "
         "vLLM gathers them in); default [2, L//2, L-3].",
@@ -67,7 +76,7 @@ class DatasetSpec(_Strict):
     path: str | None = Field(default=None, max_length=4096)
     format: Literal["auto", "messages", "sharegpt", "tokenized"] = "auto"
     seq_len: int = Field(default=2048, ge=16, le=131072)
-    max_samples: int | None = Field(default=None, ge=1)
+    max_samples: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)
     val_fraction: float = Field(default=0.05, ge=0.0, le=0.5)
     regenerate: RegenerateSpec | None = Field(
         default=None,
@@ -103,7 +112,7 @@ class HiddenStatesSpec(_Strict):
         description="Cache directory; default: one per (verifier, data) fingerprint.",
     )
     dtype: Literal["bf16", "fp8", "fp32"] = "bf16"
-    max_cache_bytes: int | None = Field(default=None, ge=0)
+    max_cache_bytes: int | None = Field(default=None, ge=0, le=MAX_CACHE_BYTES)
 
 
 class ModelSpec(DrafterSettings, _Strict):
@@ -112,7 +121,15 @@ class ModelSpec(DrafterSettings, _Strict):
     draft_vocab_size: int | None = Field(
         default=DEFAULT_DRAFT_VOCAB_SIZE,
         ge=2,
+        le=1 << 22,
         description="Capped at the verifier's vocabulary; null means the full vocabulary.",
+    )
+    init_from: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="A P-EAGLE checkpoint directory (ours or speculators') to start training from; its "
+        "architecture and draft vocabulary are kept, and the init_*_from_verifier options do not apply.",
     )
     init_embeddings_from_verifier: bool = True
     init_lm_head_from_verifier: bool = Field(
@@ -125,29 +142,41 @@ class TrainingSpec(_Strict):
     """Optimiser, schedule, batching and checkpoint cadence."""
 
     epochs: int = Field(default=1, ge=1, le=1000)
-    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(
+        default=None, ge=1, le=MAX_STEPS, description="Stop after this many optimizer steps."
+    )
     lr: float = Field(default=6e-4, gt=0.0, le=1.0)
     warmup_ratio: float = Field(default=0.03, ge=0.0, le=0.5)
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     weight_decay: float = Field(default=0.01, ge=0.0, le=1.0)
-    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    grad_clip: float | None = Field(default=1.0, gt=0.0, le=1e4)
     total_seq_len: int = Field(default=8192, ge=16, le=1048576)
     grad_accum: int = Field(default=1, ge=1, le=1024)
     num_segments: int = Field(default=1, ge=1, le=64, description="Sequence partitioning for long contexts.")
-    seed: int = Field(default=0, ge=0)
-    checkpoint_every_steps: int = Field(default=500, ge=1)
-    eval_every_steps: int | None = Field(default=None, ge=1)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    checkpoint_every_steps: int = Field(default=500, ge=1, le=MAX_STEPS)
+    eval_every_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
 
 
 class EvaluationSpec(_Strict):
     """Acceptance-length evaluation against the verifier on held-out prompts."""
 
     prompts: int | list[Annotated[str, Field(min_length=1)]] = Field(
-        default=16, description="How many held-out prompts, or the prompts themselves."
+        default=16,
+        description=f"How many held-out prompts (at most 10000), or the prompts themselves (at most "
+        f"{MAX_PROMPTS}, each up to {MAX_PROMPT_CHARS} characters).",
     )
     max_new_tokens: int = Field(default=64, ge=1, le=4096)
-    speculative_tokens: list[int] | None = Field(
-        default=None, description="K values to evaluate; default [num_depths]."
+    speculative_tokens: list[Annotated[int, Field(ge=1, le=32)]] | None = Field(
+        default=None,
+        max_length=32,
+        description="K values to evaluate (deduplicated, sorted, each <= model.num_depths); default "
+        "[num_depths].",
+    )
+    engine: Literal["auto", "peagle", "vllm", "both"] = Field(
+        default="auto",
+        description="Who measures acceptance length: our decoder (`peagle`), vLLM's spec-decode counters "
+        "(`vllm`) or `both`; `auto` is `both` where vLLM is installed, else `peagle`.",
     )
 
     @field_validator("prompts")
@@ -157,14 +186,18 @@ class EvaluationSpec(_Strict):
             raise ValueError("must be between 0 and 10000")
         if isinstance(v, list) and len(v) == 0:
             raise ValueError("give at least one prompt, or a count")
+        if isinstance(v, list) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts, got {len(v)}")
+        if isinstance(v, list) and (long := [i for i, p in enumerate(v) if len(p) > MAX_PROMPT_CHARS]):
+            raise ValueError(f"prompt {long[0]} is longer than {MAX_PROMPT_CHARS} characters")
         return v
 
     @field_validator("speculative_tokens")
     @classmethod
-    def _positive(cls, v: list[int] | None) -> list[int] | None:
-        if v is not None and (not v or any(k < 1 for k in v)):
+    def _distinct_ks(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not v:
             raise ValueError("must be a non-empty list of integers >= 1")
-        return v
+        return None if v is None else sorted(set(v))
 
 
 class ExportSpec(_Strict):
@@ -174,6 +207,11 @@ class ExportSpec(_Strict):
         default="bf16",
         description="Weights dtype of the exported checkpoint (speculators checkpoints are bf16).",
     )
+    vllm_check: bool = Field(
+        default=True,
+        description="Load the checkpoint in vLLM and check its greedy output before publishing, where vLLM "
+        "is installed (elsewhere it is published `unverified`).",
+    )
 
 
 class ResourcesSpec(_Strict):
@@ -181,6 +219,24 @@ class ResourcesSpec(_Strict):
 
     gpus: int = Field(default=1, ge=1, le=64)
     queue: str = Field(default="default", pattern=_QUEUE_PATTERN)
+
+
+class TrackingSpec(_Strict):
+    """Experiment trackers the job also reports to (besides the service's own metrics)."""
+
+    report_to: list[Literal["tensorboard", "mlflow"]] = Field(
+        default_factory=list,
+        max_length=2,
+        description="tensorboard: event files in the job's artifact folder (GET /v1/jobs/{id}/tensorboard); "
+        "mlflow: a run on the operator's PEAGLE_MLFLOW_TRACKING_URI. A failing tracker never fails the job.",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("list each tracker once")
+        return v
 
 
 class JobSpec(_Strict):
@@ -195,6 +251,7 @@ class JobSpec(_Strict):
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:

@@ -1,7 +1,8 @@
 """The speculators checkpoint format on disk: file names, config.json <-> `PEagleConfig`, the tensor list.
 
 `CONFIG_FIELDS` maps every `PEagleConfig` field to its place in config.json; writing (`config_json`)
-and reading (`read_config_fields`, `read_checkpoint`) both go through it. The contract is
+and reading (`read_config_fields`, `read_checkpoint`) both go through it. Reading also accepts what
+speculators' own save path writes, and refuses by name the settings this drafter does not implement. The contract is
 docs/architecture.md, Checkpoint contract; `peagle_core.validate` checks a directory against it.
 """
 
@@ -11,6 +12,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from peagle_core.config import PEagleConfig
+from peagle_core.config import PEagleConfig, text_rope_parameters
 from peagle_core.errors import CheckpointError
 from peagle_core.io import atomic_dir
 
@@ -28,6 +30,8 @@ CARD_NAME = "README.md"
 SPECULATORS_VERSION = "0.3.0"
 ARCHITECTURE = "PEagleDraftModel"
 LAYER = "transformer_layer_config"
+# transformer_layer_config.model_type -> the HF architecture of that layer family (`PEagleConfig.layer_type`).
+LAYER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ CONFIG_FIELDS: dict[str, ConfigField] = {
     "rms_norm_eps": ConfigField((LAYER, "rms_norm_eps")),
     "vocab_size": ConfigField((LAYER, "vocab_size")),
     "rope_parameters": ConfigField((LAYER, "rope_parameters")),
+    # vLLM picks the drafter class from it and defaults to llama when it is absent.
+    "layer_type": ConfigField((LAYER, "model_type"), required=False),
     "max_position_embeddings": ConfigField((LAYER, "max_position_embeddings"), required=False),
     "draft_vocab_size": ConfigField(("draft_vocab_size",)),
     "mask_token_id": ConfigField(("mask_token_id",)),
@@ -73,8 +79,6 @@ def _fixed_fields(speculative_tokens: int) -> dict[str, Any]:
         "speculators_model_type": "peagle",
         "architectures": [ARCHITECTURE],
         LAYER: {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
@@ -99,6 +103,7 @@ def config_json(config: PEagleConfig, *, speculative_tokens: int | None = None) 
         for p in parents:
             node = node.setdefault(p, {})
         node[key] = getattr(config, field)
+    out[LAYER]["architectures"] = [LAYER_ARCHITECTURES[config.layer_type]]
     # vLLM's parallel-drafting runtime reads `pard_token` when the config skips the speculators conversion.
     out["pard_token"] = config.mask_token_id
     out["speculators_config"]["verifier"]["name_or_path"] = config.verifier_name_or_path or ""
@@ -113,9 +118,7 @@ def read_config_fields(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], list[Con
     values: dict[str, Any] = {}
     missing: list[ConfigField] = []
     for field, where in CONFIG_FIELDS.items():
-        node: Any = cfg
-        for key in where.path:
-            node = node.get(key, _ABSENT) if isinstance(node, Mapping) else _ABSENT
+        node = _lookup(cfg, where.path)
         if node is not _ABSENT:
             values[field] = node
         elif where.required:
@@ -130,13 +133,62 @@ def read_config_fields(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], list[Con
 _ABSENT = object()
 
 
-def config_from_json(cfg: Mapping[str, Any], *, path: str | None = None) -> PEagleConfig:
-    """The `PEagleConfig` a config.json describes; CheckpointError naming each missing or bad field."""
-    values, missing = read_config_fields(cfg)
-    if missing:
-        raise CheckpointError(
-            [f"{CONFIG_NAME}: missing required field {f.name!r}" for f in missing], path=path
+# Settings a speculators-saved EAGLE-3/P-EAGLE checkpoint may carry that this drafter does not implement:
+# config.json path -> the values that mean "not used". Loading such a checkpoint would silently change it.
+_UNSUPPORTED: dict[tuple[str, ...], tuple[Any, ...]] = {
+    ("norm_before_fc",): (None, False),
+    ("fc_norm",): (None, False),
+    ("norm_output",): (None, False),
+    (LAYER, "attention_bias"): (None, False),
+    (LAYER, "mlp_bias"): (None, False),
+    (LAYER, "hidden_act"): (None, "silu"),
+    (LAYER, "use_sliding_window"): (None, False),
+}
+
+
+def unsupported_settings(cfg: Mapping[str, Any]) -> list[str]:
+    """One problem per setting in config.json this drafter does not implement (a speculators checkpoint
+    may use them); empty for every checkpoint we write."""
+    problems = []
+    for where, neutral in _UNSUPPORTED.items():
+        value = _lookup(cfg, where)
+        if value is not _ABSENT and value not in neutral:
+            problems.append(f"{CONFIG_NAME}: {'.'.join(where)} = {value!r} is not supported")
+    layer = cfg.get(LAYER) if isinstance(cfg.get(LAYER), Mapping) else {}
+    target = cfg.get("target_hidden_size")
+    if target is not None and target != layer.get("hidden_size"):
+        problems.append(
+            f"{CONFIG_NAME}: target_hidden_size {target!r} differs from the drafter's hidden_size"
         )
+    if "sliding_attention" in (layer.get("layer_types") or []):
+        problems.append(f"{CONFIG_NAME}: {LAYER}.layer_types: sliding-window layers are not supported")
+    return problems
+
+
+def _lookup(cfg: Any, path: tuple[str, ...]) -> Any:
+    node = cfg
+    for key in path:
+        node = node.get(key, _ABSENT) if isinstance(node, Mapping) else _ABSENT
+    return node
+
+
+def _with_rope_parameters(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`cfg` with a layer config saved before transformers 5 (`rope_theta`, `rope_scaling`; published
+    speculators checkpoints have them) given the flat `rope_parameters` it means."""
+    layer = cfg.get(LAYER)
+    if not isinstance(layer, Mapping) or "rope_parameters" in layer or "rope_theta" not in layer:
+        return cfg
+    return {**cfg, LAYER: {**layer, "rope_parameters": text_rope_parameters(SimpleNamespace(**layer))}}
+
+
+def config_from_json(cfg: Mapping[str, Any], *, path: str | None = None) -> PEagleConfig:
+    """The `PEagleConfig` a config.json describes (ours, or one speculators saved); CheckpointError naming
+    each missing, bad or unsupported field."""
+    values, missing = read_config_fields(_with_rope_parameters(cfg))
+    problems = [f"{CONFIG_NAME}: missing required field {f.name!r}" for f in missing]
+    problems += unsupported_settings(cfg)
+    if problems:
+        raise CheckpointError(problems, path=path)
     values = {k: v for k, v in values.items() if v is not None or k == "max_anchors"}
     try:
         return PEagleConfig(**values)
@@ -182,6 +234,9 @@ def expected_tensors(shape: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...
         out[p + "mlp.down_proj.weight"] = ((h, inter), "float")
         out[p + "input_layernorm.weight"] = ((h,), "float")
         out[p + "post_attention_layernorm.weight"] = ((h,), "float")
+        if shape.get("layer_type", "llama") == "qwen3":  # RMSNorm over each head of q and k
+            out[p + "self_attn.q_norm.weight"] = ((shape["head_dim"],), "float")
+            out[p + "self_attn.k_norm.weight"] = ((shape["head_dim"],), "float")
     return out
 
 

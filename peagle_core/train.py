@@ -50,8 +50,17 @@ from peagle_core.model import PEagleDraftModel
 from peagle_core.objective import Teacher
 from peagle_core.partition import partitioned_backward
 from peagle_core.schedule import build_scheduler
+from peagle_core.serving_check import ServingCheck
 from peagle_core.spec import JobSpec
 from peagle_core.verifier import Verifier
+from peagle_core.vllm_judge import (
+    GAP_TOLERANCE,
+    Engines,
+    VllmJudge,
+    agreement_gap,
+    engine_options,
+    resolve_engines,
+)
 
 MetricsFn = Callable[[dict[str, Any]], None]
 EventFn = Callable[[str, str, dict[str, Any]], None]
@@ -112,6 +121,11 @@ class Trainer:
     total_steps: int
     prompts: list[torch.Tensor]
     ckpt_root: Path  # training checkpoints (the export goes to out_dir/export)
+    # Who measures acceptance length and whether the vLLM publish gate runs (`setup` resolves the spec's).
+    engines: Engines = field(
+        default_factory=lambda: Engines(ours=True, vllm=False, gate_off_reason="no serving check configured")
+    )
+    judge: VllmJudge | None = None  # vLLM on the evaluation prompts (rank 0, when `engines` needs it)
 
 
 @dataclass
@@ -160,12 +174,15 @@ def train(
     """Train a drafter as `spec` says, writing checkpoints and the final export under `out_dir`."""
     info = dist_utils.init_distributed()
     hooks = Hooks(info, on_metrics=on_metrics, on_event=on_event, should_stop=should_stop)
+    run = None
     try:
         run, progress = setup(
             spec, Path(out_dir), info, hooks, resume=resume, dataset_dir=dataset_dir, cache_dir=cache_dir
         )
         return _train(run, progress)
     finally:
+        if run is not None and run.judge is not None:
+            run.judge.close()
         dist_utils.shutdown()
 
 
@@ -266,6 +283,22 @@ def setup(
         if restored is not None:
             hooks.event("train", f"resumed from {restored.path.name}", step=restored.position.step)
 
+    prompts = eval_prompts(spec, dataset, val_idx, verifier)
+    engines = resolve_engines(spec)
+    if not prompts:
+        engines = Engines(
+            ours=engines.ours, vllm=False, gate_off_reason="no evaluation prompts to check with"
+        )
+    judge = None
+    if engines.needs_vllm and info.is_main:
+        judge = VllmJudge(
+            spec.verifier.name_or_path,
+            [p.tolist() for p in prompts],
+            spec.evaluation.max_new_tokens,
+            revision=spec.verifier.revision,
+            trust_remote_code=spec.verifier.trust_remote_code,
+            options=engine_options(device),
+        )
     run = Trainer(
         spec=spec,
         out_dir=out_dir,
@@ -284,8 +317,10 @@ def setup(
         cod_generator=cod_generator,
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
         total_steps=total_steps,
-        prompts=eval_prompts(spec, dataset, val_idx, verifier),
+        prompts=prompts,
         ckpt_root=ckpt_root,
+        engines=engines,
+        judge=judge,
     )
     return run, Progress.resumed(restored)
 
@@ -371,17 +406,47 @@ def maybe_evaluate(run: Trainer, progress: Progress) -> dict[str, Any] | None:
 
 
 def evaluate_drafter(run: Trainer, step: int) -> dict[str, Any]:
-    """Acceptance length at every evaluated K on the held-out prompts (rank 0; {} elsewhere)."""
+    """Acceptance length at every evaluated K on the held-out prompts (rank 0; {} elsewhere): ours, vLLM's
+    spec-decode counters, or both (`evaluation.engine`), with a warning when the two disagree."""
     if not run.info.is_main or not run.prompts:
         return {}
-    run.hooks.event("eval", f"evaluating at step {step}", prompts=len(run.prompts))
-    results = {}
-    eos = run.verifier.tokenizer.eos_token_id
-    for k in run.spec.speculative_tokens:
-        r = evaluate(run.model, run.verifier, run.prompts, k, run.spec.evaluation.max_new_tokens, eos)
-        results[f"k={k}"] = r.to_dict()
-        run.hooks.report({"step": step, f"eval/acceptance_length@{k}": r.acceptance_length})
+    ks = run.spec.speculative_tokens
+    engines = [name for name, on in (("peagle", run.engines.ours), ("vllm", run.engines.vllm)) if on]
+    run.hooks.event("eval", f"evaluating at step {step}", prompts=len(run.prompts), engines=engines)
+    results: dict[str, dict[str, Any]] = {f"k={k}": {"k": k} for k in ks}
+    if run.engines.ours:
+        eos = run.verifier.tokenizer.eos_token_id
+        for k in ks:
+            r = evaluate(run.model, run.verifier, run.prompts, k, run.spec.evaluation.max_new_tokens, eos)
+            results[f"k={k}"].update(r.to_dict())
+            run.hooks.report({"step": step, f"eval/acceptance_length@{k}": r.acceptance_length})
+    if run.engines.vllm and run.judge is not None:
+        figures = run.judge.evaluate_model(run.model, ks, verifier_config=run.verifier.config)
+        for k, fig in figures.items():
+            results[f"k={k}"]["vllm"] = fig
+        report_vllm_figures(run, step, results)
     return {"step": step, "results": results}
+
+
+def report_vllm_figures(run: Trainer, step: int, results: dict[str, dict[str, Any]]) -> None:
+    """Report vLLM's acceptance length per K, and warn when it and ours differ by more than 3%."""
+    for r in results.values():
+        theirs = r.get("vllm", {}).get("acceptance_length")
+        if theirs is None:
+            continue
+        k = r["k"]
+        run.hooks.report({"step": step, f"eval/vllm_acceptance_length@{k}": theirs})
+        ours = r.get("acceptance_length")
+        if ours is not None and agreement_gap(ours, theirs) > GAP_TOLERANCE:
+            run.hooks.event(
+                "eval_gap",
+                f"acceptance length at K={k} is {ours:.3f} here but {theirs:.3f} in vLLM "
+                f"(gap over {GAP_TOLERANCE:.0%}; both run the same greedy chain)",
+                level="warning",
+                k=k,
+                ours=ours,
+                vllm=theirs,
+            )
 
 
 def maybe_checkpoint(
@@ -449,6 +514,19 @@ def export(run: Trainer, progress: Progress) -> Path | None:
         run.hooks.event("export", "exporting the drafter", step=progress.step)
         export_dir = run.out_dir / "export" / f"step_{progress.step}"
         summary = {**_eval_summary(progress.evaluation), "train/loss": progress.metrics.get("loss")}
+        k = max(run.spec.speculative_tokens)
+        if run.engines.gate and run.judge is not None:
+            run.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=progress.step)
+            judge = run.judge
+
+            def serving(tmp: Path) -> ServingCheck:
+                return judge.gate(tmp, k)
+        else:
+            reason = run.engines.gate_off_reason or "no serving check was run"
+
+            def serving(tmp: Path) -> ServingCheck:
+                return ServingCheck.unverified(reason)
+
         export_checkpoint(
             run.model,
             export_dir,
@@ -456,10 +534,21 @@ def export(run: Trainer, progress: Progress) -> Path | None:
             verifier_config=run.verifier.config,
             data_fingerprint=run.dataset.fingerprint,
             metrics={k: v for k, v in summary.items() if v is not None},
-            speculative_tokens=max(run.spec.speculative_tokens),
+            speculative_tokens=k,
             dtype=run.spec.export.dtype,
+            serving=serving,
         )
-        atomic_write_json(export_dir / "eval.json", progress.evaluation or {})
+        check = ServingCheck.load(export_dir)
+        if check is not None and check.status == "verified":
+            run.hooks.event(
+                "serving",
+                f"vLLM served the checkpoint: acceptance length {check.acceptance_length:.3f} at K={k}",
+                serving=check.to_dict(),
+            )
+        evaluation = dict(progress.evaluation or {})
+        if check is not None:
+            evaluation["serving"] = check.to_dict()
+        atomic_write_json(export_dir / "eval.json", evaluation)
     dist_utils.barrier(run.info)
     return export_dir
 
@@ -478,10 +567,13 @@ def _step_metrics(
 def _eval_summary(eval_result: dict[str, Any] | None) -> dict[str, float]:
     if not eval_result:
         return {}
-    return {
-        f"eval/acceptance_length@{r['k']}": r["acceptance_length"]
-        for r in eval_result.get("results", {}).values()
-    }
+    out = {}
+    for r in eval_result.get("results", {}).values():
+        if "acceptance_length" in r:
+            out[f"eval/acceptance_length@{r['k']}"] = r["acceptance_length"]
+        if "vllm" in r:
+            out[f"eval/vllm_acceptance_length@{r['k']}"] = r["vllm"]["acceptance_length"]
+    return out
 
 
 def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:

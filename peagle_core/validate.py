@@ -21,6 +21,7 @@ from peagle_core.speculators import (
     CONFIG_FIELDS,
     CONFIG_NAME,
     LAYER,
+    LAYER_ARCHITECTURES,
     WEIGHTS_NAME,
     expected_tensors,
     read_config_fields,
@@ -77,8 +78,9 @@ def _check_config(cfg: Any) -> list[str]:
 def _check_layer(layer: dict) -> list[str]:
     where = f"config.json: {LAYER}"
     problems = [f"{where} is missing {f!r}" for f in REQUIRED_LAYER_FIELDS if f not in layer]
-    if layer.get("model_type", "llama") != "llama":
-        problems.append(f"{where}.model_type is {layer['model_type']!r}, expected 'llama'")
+    if layer.get("model_type", "llama") not in LAYER_ARCHITECTURES:
+        problems.append(f"{where}.model_type is {layer['model_type']!r}, expected one of "
+                        f"{sorted(LAYER_ARCHITECTURES)} (the layer families vLLM serves a P-EAGLE drafter in)")  # fmt: skip
     for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "num_hidden_layers", "vocab_size"):  # fmt: skip
         if f in layer and not (isinstance(layer[f], int) and layer[f] > 0):

@@ -7,6 +7,7 @@ spec-decode counters are read before and after each batch, so every `VllmRun` co
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import multiprocessing as mp
@@ -88,6 +89,7 @@ class EngineConfig:
     """What identifies an engine: a request with the same config reuses the running one."""
 
     verifier: str
+    revision: str | None = None
     drafter: str | None = None
     k: int | None = None
     max_model_len: int = 1024
@@ -134,10 +136,8 @@ class VllmEngine:
         self._proc = self._conn = None
         if proc is None:
             return
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             conn.send({"op": "exit"})
-        except (BrokenPipeError, OSError):
-            pass
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
@@ -157,6 +157,7 @@ class VllmEngine:
         enforce_eager: bool = True,
         gpu_memory_utilization: float | None = None,
         trust_remote_code: bool = False,
+        revision: str | None = None,
     ) -> VllmRun:
         """Greedy generation of `max_new_tokens` (or up to EOS) per prompt, with K drafted tokens per step
         from `drafter` (a P-EAGLE checkpoint directory) when given. Raises VllmError with vLLM's message."""
@@ -171,6 +172,7 @@ class VllmEngine:
             enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization,
             trust_remote_code=trust_remote_code,
+            revision=revision,
         )
 
     def sample(
@@ -185,6 +187,7 @@ class VllmEngine:
         dtype: str = "float32",
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
+        revision: str | None = None,
     ) -> VllmRun:
         """Generation without a drafter at `temperature` (0: greedy), stopping at EOS or any of
         `stop_token_ids`; `finish_reasons` says per prompt whether it stopped or ran out of tokens."""
@@ -200,6 +203,7 @@ class VllmEngine:
             dtype=dtype,
             max_model_len=max_model_len,
             trust_remote_code=trust_remote_code,
+            revision=revision,
             sampling=sampling,
         )
 
@@ -216,6 +220,7 @@ class VllmEngine:
         enforce_eager: bool = True,
         gpu_memory_utilization: float | None = None,
         trust_remote_code: bool = False,
+        revision: str | None = None,
         sampling: dict[str, Any] | None = None,
     ) -> VllmRun:
         if drafter is not None and not k:
@@ -227,6 +232,7 @@ class VllmEngine:
             max_model_len = max(256, 2 ** math.ceil(math.log2(need)))
         config = EngineConfig(
             verifier=str(verifier),
+            revision=revision,
             drafter=str(drafter) if drafter is not None else None,
             k=int(k) if drafter is not None else None,
             max_model_len=int(max_model_len),
@@ -352,6 +358,7 @@ def _build_engine(config: EngineConfig) -> Any:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     return LLM(
         model=config.verifier,
+        revision=config.revision,
         dtype=config.dtype,
         enforce_eager=config.enforce_eager,
         max_model_len=config.max_model_len,

@@ -14,6 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("peagle.metrics")
 
+# Label values come from a fixed set: a client inventing HTTP methods must not add a series per method.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
 
 class _StateCollector(Collector):
     """Jobs by status (from the DB) and RQ queue depth (from Redis), read at scrape time."""
@@ -44,10 +47,12 @@ class _StateCollector(Collector):
 
 
 class Metrics:
-    """The registry and instruments of one app."""
+    """The registries and instruments of one app: `registry` (HTTP traffic) and `state` (the jobs and
+    queue gauges, which span every project and can be put behind `PEAGLE_METRICS_TOKEN`)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.state = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "peagle_http_requests_total",
             "HTTP requests by method, route template and status.",
@@ -65,7 +70,7 @@ class Metrics:
     def track_state(
         self, job_counts: Callable[[], dict[str, int]], queue_depths: Callable[[], dict[str, int]]
     ) -> None:
-        self.registry.register(_StateCollector(job_counts, queue_depths))
+        self.state.register(_StateCollector(job_counts, queue_depths))
 
 
 class MetricsMiddleware:
@@ -93,5 +98,6 @@ class MetricsMiddleware:
             # The template (/v1/jobs/{job_id}), never the raw path: ids would explode label cardinality.
             template = getattr(route, "path", None) or "unmatched"
             method = scope.get("method", "")
+            method = method if method in _METHODS else "other"
             self.metrics.requests.labels(method, template, str(status[0])).inc()
             self.metrics.latency.labels(method, template).observe(time.perf_counter() - start)

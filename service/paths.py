@@ -1,8 +1,13 @@
 """Which server-side paths a job spec may name: only those under operator-allowed roots.
 
-verifier.name_or_path must be a directory under PEAGLE_ALLOWED_MODEL_ROOTS (or a hub id when
-PEAGLE_ALLOW_HUB is on); dataset.path and hidden_states.cache_uri must lie under PEAGLE_ALLOWED_DATA_ROOTS.
-Symlinks and `..` are resolved before the check, so neither can escape a root.
+verifier.name_or_path (or a hub id when PEAGLE_ALLOW_HUB is on) and model.init_from must be directories under
+PEAGLE_ALLOWED_MODEL_ROOTS; dataset.path and hidden_states.cache_uri must lie under PEAGLE_ALLOWED_DATA_ROOTS,
+or under `PEAGLE_PROJECT_FILES_ROOT/<project id>/` for the owning project only. `file://` URIs are
+normalised to plain paths, `~` is refused (it would name the server's home), and symlinks and `..` are
+resolved before the check, so none of them can escape a root. The service's own state (data dir, local
+artifact store) is never reachable, except a project's own files area, and a cache directory may be
+neither a whole allowed root nor overlap another project's files. The API checks at create time and
+stores the normalised paths; the worker checks again against its current settings before it uses them.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from peagle_core.spec import JobSpec, SpecError
 from service.settings import Settings
@@ -20,66 +26,161 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 def under_roots(path: str | os.PathLike[str], roots: Sequence[str | os.PathLike[str]]) -> Path | None:
     """The fully resolved `path` if it lies inside one of `roots` (also resolved), else None."""
-    resolved = Path(path).expanduser().resolve()
+    resolved = Path(path).resolve()
     for root in roots:
         if resolved.is_relative_to(Path(root).expanduser().resolve()):
             return resolved
     return None
 
 
-def _local(value: str) -> str | None:
-    # A plain path or file:// URI is local; any other scheme (s3://, hf://) is not a server path.
-    if value.startswith("file://"):
-        return value.removeprefix("file://")
+def _local(value: str, param: str) -> str | None:
+    """A plain path for a local value (`file:///x` -> `/x`); None for another scheme (s3://, hf://)."""
+    if value.startswith("~"):
+        raise SpecError([(param, f"{value!r}: '~' is not expanded on the server; give an absolute path")])
+    if value.startswith("file:"):
+        parts = urlsplit(value)
+        if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+            raise SpecError([(param, f"{value!r}: only file:///absolute/path URIs name a server path")])
+        return unquote(parts.path)
     return None if "://" in value else value
 
 
-def _check_path(value: str, roots: Sequence[Path], param: str, what: str, *, must_be: str | None) -> None:
-    local = _local(value)
+def _service_state(settings: Settings) -> list[Path]:
+    """Directories holding the service's own state: the database, keys, every project's artifacts."""
+    state = [Path(settings.data_dir).resolve()]
+    if "://" not in settings.artifact_root or settings.artifact_root.startswith("file://"):
+        state.append(Path(settings.artifact_root.removeprefix("file://")).resolve())
+    return state
+
+
+def _project_area(settings: Settings, project_id: str | None) -> Path | None:
+    if settings.project_files_root is None or project_id is None:
+        return None
+    return (Path(settings.project_files_root).resolve() / project_id).resolve()
+
+
+def _check_path(
+    value: str,
+    roots: Sequence[Path],
+    param: str,
+    what: str,
+    *,
+    must_be: str | None,
+    settings: Settings | None = None,
+    project_id: str | None = None,
+) -> Path:
+    local = _local(value, param)
     if local is None:
         raise SpecError([(param, f"{value!r} is not a local path; only server paths under an allowed root")])
-    if not os.path.isabs(os.path.expanduser(local)):
+    if not os.path.isabs(local):
         raise SpecError([(param, f"{what} must be an absolute path under an allowed root")])
-    if not roots:
+    own = _project_area(settings, project_id) if settings is not None else None
+    if not roots and own is None:
         raise SpecError(
             [(param, f"server {what}s are disabled on this service (no allowed roots configured)")]
         )
-    resolved = under_roots(local, roots)
+    resolved = under_roots(local, [*roots, *([own] if own else [])])
     if resolved is None:
         raise SpecError([(param, f"{value!r} is outside the allowed roots for {what}s")])
+    if settings is not None and not (own is not None and resolved.is_relative_to(own)):
+        files_root = settings.project_files_root
+        if files_root is not None and resolved.is_relative_to(Path(files_root).resolve()):
+            raise SpecError(
+                [(param, f"{value!r} is in the per-project files area, outside this project's own directory")]
+            )
+        granted = [r for r in (Path(r).expanduser().resolve() for r in roots) if resolved.is_relative_to(r)]
+        for state in _service_state(settings):
+            # Inside the service's state only through a root the operator opened strictly inside it
+            # (`peagle up`'s <data_dir>/models); a wider root, or one equal to it, does not reach in.
+            opened = any(r != state and r.is_relative_to(state) for r in granted)
+            if (resolved.is_relative_to(state) and not opened) or state.is_relative_to(resolved):
+                raise SpecError(
+                    [(param, f"{value!r} overlaps the service's own data (database, keys, artifacts)")]
+                )
     if must_be == "dir" and not resolved.is_dir():
         raise SpecError([(param, f"{value!r} is not an existing directory")])
     if must_be == "file" and not resolved.is_file():
         raise SpecError([(param, f"{value!r} is not an existing file")])
+    return resolved
 
 
-def check_spec_paths(spec: JobSpec, settings: Settings, *, prefix: str = "spec.") -> None:
-    """Raise SpecError (param = the dotted field) for any path or option the operator has not allowed."""
+def _check_cache_dir(resolved: Path, settings: Settings, project_id: str | None, param: str) -> None:
+    # A cache directory is written to (and may be cleaned): never a whole shared root, never a directory
+    # holding other projects' files.
+    for root in settings.allowed_data_roots:
+        if resolved == Path(root).expanduser().resolve():
+            raise SpecError(
+                [(param, "the cache must be a sub-directory of an allowed root, not the root itself")]
+            )
+    files_root = Path(settings.project_files_root).resolve() if settings.project_files_root else None
+    own = _project_area(settings, project_id)
+    if files_root is not None and files_root.is_relative_to(resolved):
+        raise SpecError([(param, "the cache directory would contain other projects' files")])
+    if own is not None and resolved == own:
+        raise SpecError(
+            [(param, "the cache must be a sub-directory of your files area, not the area itself")]
+        )
+
+
+def check_spec_paths(
+    spec: JobSpec, settings: Settings, *, prefix: str = "spec.", project_id: str | None = None
+) -> JobSpec:
+    """Raise SpecError (param = the dotted field) for any path or option the operator has not allowed;
+    return the spec with its server paths normalised (absolute, `file://` stripped, symlinks resolved)."""
     verifier = spec.verifier.name_or_path
     param = f"{prefix}verifier.name_or_path"
-    looks_like_path = os.path.isabs(os.path.expanduser(verifier)) or verifier.startswith((".", "file://"))
+    updates: dict[str, dict[str, str]] = {}
+    looks_like_path = os.path.isabs(verifier) or verifier.startswith((".", "file:", "~"))
     if not looks_like_path and _HUB_ID.match(verifier) and not os.path.exists(verifier):
         if not settings.allow_hub:
             raise SpecError([(param, f"hub model ids ({verifier!r}) are disabled on this service")])
     else:
-        _check_path(verifier, settings.allowed_model_roots, param, "model path", must_be="dir")
+        resolved = _check_path(
+            verifier, settings.allowed_model_roots, param, "model path", must_be="dir", settings=settings
+        )
+        updates["verifier"] = {"name_or_path": str(resolved)}
     if spec.verifier.trust_remote_code and not settings.allow_trust_remote_code:
         raise SpecError(
             [(f"{prefix}verifier.trust_remote_code", "trust_remote_code is disabled on this service")]
         )
+    if spec.model.init_from is not None:
+        init = f"{prefix}model.init_from"
+        resolved = _check_path(
+            spec.model.init_from,
+            settings.allowed_model_roots,
+            init,
+            "model path",
+            must_be="dir",
+            settings=settings,
+        )
+        updates["model"] = {"init_from": str(resolved)}
     if spec.dataset.path is not None:
-        _check_path(
+        resolved = _check_path(
             spec.dataset.path,
             settings.allowed_data_roots,
             f"{prefix}dataset.path",
             "data path",
             must_be="file",
+            settings=settings,
+            project_id=project_id,
         )
+        updates["dataset"] = {"path": str(resolved)}
     if spec.hidden_states.cache_uri is not None:
-        _check_path(
+        param = f"{prefix}hidden_states.cache_uri"
+        resolved = _check_path(
             spec.hidden_states.cache_uri,
             settings.allowed_data_roots,
-            f"{prefix}hidden_states.cache_uri",
+            param,
             "cache path",
             must_be=None,
+            settings=settings,
+            project_id=project_id,
         )
+        _check_cache_dir(resolved, settings, project_id, param)
+        updates["hidden_states"] = {"cache_uri": str(resolved)}
+    if not updates:
+        return spec
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    for section, values in updates.items():
+        data.setdefault(section, {}).update(values)
+    return JobSpec.model_validate(data)

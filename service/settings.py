@@ -6,8 +6,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES
 
 
 def _split_paths(value: object) -> object:
@@ -49,6 +51,16 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         default=1 << 30, ge=1, description="Largest dataset upload accepted, in bytes (larger: HTTP 413)."
     )
+    max_line_bytes: int = Field(
+        default=DEFAULT_MAX_LINE_BYTES,
+        ge=1024,
+        description="Longest JSONL line a dataset may have, in bytes (bounds validation memory; longer: 422).",
+    )
+    max_spec_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        description="Largest request body accepted outside dataset uploads (a job spec), in bytes (larger: 413).",
+    )
     cancel_grace_s: float = Field(
         default=60.0,
         ge=0,
@@ -62,6 +74,11 @@ class Settings(BaseSettings):
     allowed_data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="Server directories a spec's dataset.path and hidden_states.cache_uri may point into.",
+    )
+    project_files_root: Path | None = Field(
+        default=None,
+        description="A directory whose `<project id>/` sub-directory is a data root for that project only "
+        "(dataset.path, hidden_states.cache_uri); `peagle up` sets it to <data_dir>/projects.",
     )
     allow_hub: bool = Field(
         default=False, description="Allow Hugging Face hub ids (org/name) as verifier.name_or_path."
@@ -83,6 +100,41 @@ class Settings(BaseSettings):
     )
     worker_heartbeat_s: float = Field(
         default=10.0, gt=0, description="How often a worker records that a running job is still alive."
+    )
+
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="When set, /metrics shows the cross-project gauges (jobs by status, queue depth) only to "
+        "`Authorization: Bearer <token>`; HTTP traffic metrics stay public.",
+    )
+    max_streams_per_key: int = Field(
+        default=8,
+        ge=1,
+        le=10000,
+        description="Open event streams (SSE) one API key may hold per API process (more: 429).",
+    )
+    retention_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="Delete finished jobs (with their checkpoints and files) this many days after they end; "
+        "applied by the reconciler. Unset: keep everything.",
+    )
+    mlflow_tracking_uri: str = Field(
+        default="",
+        max_length=4096,
+        description="MLflow tracking server for jobs with tracking.report_to: [mlflow] (empty: refused).",
+    )
+    mlflow_experiment: str = Field(
+        default="peagle", max_length=250, description="MLflow experiment that holds one run per job."
+    )
+    ui_secret_key: str = Field(
+        default="",
+        max_length=512,
+        description="Key that signs web dashboard session cookies; default: a random one kept in "
+        "<data_dir>/ui-secret (set it when several API processes share no data dir).",
+    )
+    ui_session_max_age_s: int = Field(
+        default=12 * 3600, ge=60, le=30 * 24 * 3600, description="How long a dashboard sign-in lasts."
     )
 
     events_poll_s: float = Field(

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
 from service.crud.events import add_event
+from service.redact import redact_paths
 
 # The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
 STAGES = ("regenerate", "prepare", "hidden_states", "train", "eval", "export")
@@ -70,7 +71,7 @@ class Outcome:
 def error_for(exc: BaseException, *, stage: str) -> dict[str, Any]:
     """The `{code, message}` stored on a failed job: actionable text, never a traceback."""
     if isinstance(exc, PeagleError):
-        return {"code": exc.code, "message": exc.message, "param": exc.param}
+        return {"code": exc.code, "message": redact_paths(exc.message), "param": exc.param}
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
         return {
@@ -111,11 +112,13 @@ def event_recorder(
     """
 
     def on_event(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        data = dict(data or {})
+        level = data.pop("level", "info")  # the trainer flags warnings in the event's data
         if kind in STAGES:
             if on_stage is not None:
                 on_stage(kind)
-            write_event(sessions, job_id, "stage", message, {"stage": kind, **(data or {})})
+            write_event(sessions, job_id, "stage", message, {"stage": kind, **data}, level=level)
         else:
-            write_event(sessions, job_id, "log", message, {"kind": kind, **(data or {})})
+            write_event(sessions, job_id, "log", message, {"kind": kind, **data}, level=level)
 
     return on_event

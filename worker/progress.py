@@ -170,6 +170,10 @@ class ProgressWriter:
         for key in ("total_steps", "eta_s", "epoch"):
             if values.get(key) is not None:
                 self.progress[key] = values[key]
+        for key, value in values.items():
+            # The best acceptance length so far, for job lists (the metric rows hold the whole series).
+            if key.startswith("eval/acceptance_length@") and isinstance(value, int | float):
+                self.progress["acceptance_length"] = max(value, self.progress.get("acceptance_length") or 0)
         self._dirty = True
 
     def _safe_write(self) -> BaseException | None:

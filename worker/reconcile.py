@@ -4,6 +4,8 @@
   `queued` and is re-enqueued; it resumes from its last checkpoint. After `max_attempts` starts it fails.
 - A `cancelling` job past the grace period is stopped hard (RQ stop-job command) and marked cancelled.
 - A queued job that Redis lost (restart, flush, failed enqueue) is enqueued again.
+- Housekeeping: expired idempotency keys are purged and, with `PEAGLE_RETENTION_DAYS`, finished jobs older
+  than that are deleted with their files (`service.lifecycle`).
 
 Attempt semantics: `attempt` counts claims (starts). The claim increments it; the reconciler never does.
 Every change is a conditional transition, so several reconcilers (one beside each `peagle worker`, or
@@ -28,6 +30,7 @@ from service.crud.events import add_event
 from service.crud.jobs import unfinished_jobs
 from service.db.models import Job, utcnow
 from service.db.session import session_factory
+from service.lifecycle import housekeeping
 from service.queue import enqueue_run, redis_from_url, rq_status
 from service.settings import Settings
 
@@ -45,9 +48,12 @@ class ReconcileReport:
     reenqueued: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     hard_stopped: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)  # finished jobs deleted by the retention period
 
     def __bool__(self) -> bool:
-        return any((self.requeued, self.failed, self.reenqueued, self.cancelled, self.hard_stopped))
+        return any(
+            (self.requeued, self.failed, self.reenqueued, self.cancelled, self.hard_stopped, self.expired)
+        )
 
 
 def stale_after_s(settings: Settings) -> float:
@@ -91,6 +97,8 @@ def reconcile_once(
                 _settle_cancel(session, redis, settings, job, now, reason, report)
             elif reason is not None:
                 _recover_dead(session, redis, settings, job, reason, report)
+    with sessions() as session:
+        report.expired = housekeeping(session, settings)
     if report:
         log.info("reconcile: %s", report)
     return report

@@ -1,12 +1,14 @@
 """The job's regeneration stage: reuse, resume or run the verifier's rewrite of the data, keyed by fingerprint.
 
-Results live under `regenerated/<fingerprint>/` in the artifact store, shared by every job with the same
+Results live under `regenerated/<key>/` in the artifact store, shared by the project's jobs with the same
 verifier files, source bytes and parameters, like prepared data and hidden-state caches.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +40,7 @@ def regenerated_source(
     spec: JobSpec,
     data_path: Path,
     source_sha: str,
+    project_id: str,
     *,
     enter_stage: Callable[[str, dict[str, Any]], None],
     event: Event,
@@ -51,7 +54,9 @@ def regenerated_source(
     params = params_for_spec(spec)
     verifier_fp = verifier_fingerprint(spec.verifier.name_or_path, spec.verifier.revision)
     fp = regen_fingerprint(verifier_fp, source_sha, params)
-    key = f"regenerated/{fp[:32]}"
+    # Per project, like prepared data: a project never learns (from a reuse, or its speed) that another
+    # one regenerated the same data.
+    key = "regenerated/" + hashlib.sha256(json.dumps([project_id, fp]).encode()).hexdigest()[:32]
     local = store.local_path(key)
     work_dir = local if local is not None else scratch_root / key
     out = work_dir / DATA

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import CheckpointError, DataError, VerifierError
 from peagle_core.io import atomic_dir, sha256_file
+from peagle_core.serving_check import ServingCheck
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from service.crud import jobstate
@@ -27,12 +28,14 @@ from service.crud.events import add_event
 from service.crud.jobs import ACTIVE_STATUSES, find_job
 from service.db.models import Job, new_id
 from service.db.session import session_factory
+from service.paths import check_spec_paths
 from service.settings import Settings
 from worker.cancel import JobMonitor
 from worker.job_io import Outcome, error_for, event_recorder, json_safe, write_event
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 from worker.regen_stage import regenerated_source
+from worker.trackers import JobTrackers
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class JobRunner:
         self.sessions: sessionmaker[Session] = session_factory(settings.database_url)
         self.store = ArtifactStore(settings.artifact_root)
         self.stage = "claim"
+        self.published_dir: Path | None = None  # the export `_publish` published (trackers upload it)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -72,6 +76,9 @@ class JobRunner:
         ).start()
         monitor.stop_on_signal()
         progress = ProgressWriter(self.sessions, self.job_id, attempt=job.attempt).start()
+        trackers = JobTrackers(
+            self.settings, self.sessions, self.store, self.job_id, job.project_id, job.attempt, spec
+        ).start()
         try:
             try:
                 outcome = self._execute(job, spec, monitor, progress)
@@ -117,6 +124,7 @@ class JobRunner:
             raise
         finally:
             monitor.stop()
+            trackers.finish(self.published_dir)
 
     def _claim(self) -> Job | None:
         with self.sessions() as session:
@@ -190,6 +198,8 @@ class JobRunner:
     def _execute(self, job: Job, spec: JobSpec, monitor: JobMonitor, progress: ProgressWriter) -> Outcome:
         self.stage = "prepare"
         _check_verifier_path(spec)
+        # The operator may have narrowed the roots (or trust_remote_code) since the API accepted the job.
+        spec = check_spec_paths(spec, self.settings, prefix="", project_id=job.project_id)
         if spec.resources.gpus > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
         out_dir = self._work_dir()
@@ -203,6 +213,7 @@ class JobRunner:
                 spec,
                 data_path,
                 source_sha,
+                job.project_id,
                 enter_stage=lambda stage, data: self._enter(stage, progress, "regenerating answers", **data),
                 event=self._event,
                 on_progress=lambda p: progress.set_fields(regenerate=p, eta_s=p["eta_s"]),
@@ -212,12 +223,12 @@ class JobRunner:
                 return Outcome(status="stopped", step=0, export_dir=None, checkpoint_dir=None, metrics={})
             data_path, source_sha = regenerated
         self._enter("prepare", progress, "preparing data")
-        dataset_dir, reused = self._prepared_dataset(spec, data_path, source_sha, out_dir)
+        dataset_dir, reused = self._prepared_dataset(spec, data_path, source_sha, out_dir, job.project_id)
         if reused:
-            self._event("log", "reusing prepared data", {"dataset_dir": str(dataset_dir)})
+            self._event("log", "reusing prepared data", {"dataset": dataset_dir.name})
 
         # The trainer builds a missing offline cache itself and reports it as its `hidden_states` stage.
-        cache_dir = self._cache_dir(spec, dataset_dir)
+        cache_dir = self._cache_dir(spec, dataset_dir, job.project_id)
 
         resume_step = latest_checkpoint_step(out_dir)
         if resume_step is not None:
@@ -275,15 +286,20 @@ class JobRunner:
         return local, ds.sha256
 
     def _prepared_dataset(
-        self, spec: JobSpec, data_path: Path, source_sha: str, out_dir: Path
+        self, spec: JobSpec, data_path: Path, source_sha: str, out_dir: Path, project_id: str
     ) -> tuple[Path, bool]:
-        """Prepared data shared by every job with the same source, tokenizer and options."""
-        from peagle_core.data.prepare import prepare_for_spec
+        """Prepared data shared by the project's jobs with the same source, tokenizer and options.
+
+        Keyed by the verifier's content, not its name, and per project: a project never learns (from a
+        reuse, or its speed) that another one prepared the same data."""
+        from peagle_core.data.prepare import prepare_for_spec, verifier_data_fingerprint
 
         key_src = {
+            "project": project_id,
             "source_sha256": source_sha,
-            "verifier": spec.verifier.name_or_path,
-            "revision": spec.verifier.revision,
+            "verifier": verifier_data_fingerprint(
+                spec.verifier.name_or_path, spec.verifier.revision, spec.verifier.trust_remote_code
+            ),
             "seq_len": spec.dataset.seq_len,
             "format": spec.dataset.format,
             "max_samples": spec.dataset.max_samples,
@@ -295,7 +311,7 @@ class JobRunner:
             if (local / "manifest.json").is_file():
                 return local, True
             with atomic_dir(local) as tmp:
-                prepare_for_spec(spec, data_path, tmp)
+                prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
             return local, False
         scratch = out_dir / "prepared"
         if self.store.exists(f"{key}/manifest.json"):
@@ -303,15 +319,18 @@ class JobRunner:
                 self.store.fetch_dir(key, scratch)
             return scratch, True
         with atomic_dir(scratch) as tmp:
-            prepare_for_spec(spec, data_path, tmp)
+            prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
         self.store.publish_dir(scratch, key)
         return scratch, False
 
-    def _cache_dir(self, spec: JobSpec, dataset_dir: Path) -> Path:
+    def _cache_dir(self, spec: JobSpec, dataset_dir: Path, project_id: str) -> Path:
         if spec.hidden_states.cache_uri:
             return Path(spec.hidden_states.cache_uri)
         manifest = json.loads((dataset_dir / "manifest.json").read_text())
+        # Per project like prepared data; a verifier whose weights changed under the same name is caught
+        # by the cache's own fingerprint check (CacheMismatchError), which hashes the weights.
         key_src = {
+            "project": project_id,
             "verifier": spec.verifier.name_or_path,
             "revision": spec.verifier.revision,
             "layer_ids": spec.verifier.layer_ids,
@@ -340,6 +359,7 @@ class JobRunner:
         eval_json = export_dir / "eval.json"
         if eval_json.is_file():
             metrics.setdefault("eval", json.loads(eval_json.read_text()))
+        check = ServingCheck.load(export_dir)
         with self.sessions() as session:
             add_checkpoint(
                 session,
@@ -350,6 +370,7 @@ class JobRunner:
                 uri=key,
                 files=files,
                 metrics=json_safe(metrics),
+                servable=check.status if check is not None else "unverified",
             )
             moved = jobstate.transition(
                 session,
@@ -367,6 +388,7 @@ class JobRunner:
                 self.store.delete(key)
                 return "lost"
             session.commit()
+        self.published_dir = export_dir
         return "succeeded"
 
 

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from peagle_core.cli.common import fail
+
 
 def train_command(
     spec_file: Annotated[Path, typer.Argument(help="job spec (YAML or JSON)")],
@@ -66,15 +68,34 @@ def eval_command(
     seq_len: Annotated[
         int, typer.Option("--seq-len", min=16, help="truncate conversations to this many tokens")
     ] = 2048,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="peagle (our decoder), vllm (vLLM's spec-decode counters), both, or auto "
+            "(both where vLLM is installed)",
+        ),
+    ] = "auto",
 ) -> None:
-    """Greedy speculative decoding with drafter + verifier; prints one JSON line per K."""
+    """Greedy speculative decoding with drafter + verifier; prints one JSON line per K.
+
+    With vLLM the drafter is also served by vLLM on the same prompts: its acceptance length comes from
+    vLLM's own counters, and its greedy output must equal vLLM's without the drafter."""
     import tempfile
 
     from peagle_core.data import PreparedDataset, prepare_dataset
     from peagle_core.evaluate import evaluate, held_out_prompts
     from peagle_core.model import PEagleDraftModel
     from peagle_core.verifier import Verifier
+    from peagle_core.vllm_engine import vllm_available
+    from peagle_core.vllm_judge import VllmJudge, agreement_gap, engine_options
 
+    if engine not in ("auto", "peagle", "vllm", "both"):
+        fail("--engine: choose one of auto, peagle, vllm, both")
+    if engine == "auto":
+        engine = "both" if vllm_available() else "peagle"
+    elif engine != "peagle" and not vllm_available():
+        fail(f"--engine {engine}: vLLM is not installed here (pip install 'peagle-service[vllm]')")
     v = Verifier.load(verifier)
     model = PEagleDraftModel.from_pretrained(drafter).to(v.device)
     with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
@@ -84,9 +105,20 @@ def eval_command(
             prepare_dataset(verifier, data, Path(tmp) / "data", seq_len=seq_len, max_samples=prompts * 4)
             ds = PreparedDataset.open(Path(tmp) / "data")
         items = held_out_prompts(ds, range(len(ds)), limit=prompts)
-    for kk in k:
-        r = evaluate(model, v, items, kk, max_new_tokens, v.tokenizer.eos_token_id)
-        typer.echo(json.dumps(r.to_dict()))
+    rows: dict[int, dict[str, Any]] = {kk: {"k": kk} for kk in k}
+    if engine in ("peagle", "both"):
+        for kk in k:
+            r = evaluate(model, v, items, kk, max_new_tokens, v.tokenizer.eos_token_id)
+            rows[kk].update(r.to_dict())
+    if engine in ("vllm", "both"):
+        prompts_ids = [p.tolist() for p in items]
+        with VllmJudge(verifier, prompts_ids, max_new_tokens, options=engine_options(v.device)) as judge:
+            for kk, fig in judge.evaluate_dir(drafter, k).items():
+                rows[kk]["vllm"] = fig
+                if "acceptance_length" in rows[kk]:
+                    rows[kk]["gap"] = agreement_gap(rows[kk]["acceptance_length"], fig["acceptance_length"])
+    for row in rows.values():
+        typer.echo(json.dumps(row))
 
 
 def register(app: typer.Typer) -> None:

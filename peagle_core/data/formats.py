@@ -17,6 +17,9 @@ from peagle_core.errors import DataError
 
 Format = Literal["messages", "sharegpt", "tokenized"]
 FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokenized")
+# One JSONL line is parsed into Python objects about 12x its size, so a line's length bounds the memory a
+# reader needs. 8 MiB holds a 131072-token pre-tokenized row or ~2M characters of chat several times over.
+DEFAULT_MAX_LINE_BYTES = 8 << 20
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -143,12 +146,21 @@ def parse_row(obj: Any, fmt: Format, line: int) -> Row:
     return Row(line=line, messages=_turns(obj, fmt, line))
 
 
-def _lines(source: str | Path | IO[bytes] | IO[str]) -> Iterator[tuple[int, str]]:
+def _lines(source: str | Path | IO[bytes] | IO[str], max_line_bytes: int) -> Iterator[tuple[int, str]]:
+    """Lines one at a time, never reading more than `max_line_bytes` (+ the newline) of any line."""
     if isinstance(source, str | Path):
         with open(source, "rb") as f:
-            yield from _lines(f)
+            yield from _lines(f, max_line_bytes)
         return
-    for n, raw in enumerate(source, start=1):
+    n = 0
+    while raw := source.readline(max_line_bytes + 1):
+        n += 1
+        if len(raw.rstrip(b"\r\n" if isinstance(raw, bytes) else "\r\n")) > max_line_bytes:
+            raise DataError(
+                f"line {n}: longer than {max_line_bytes} bytes (the limit, PEAGLE_MAX_LINE_BYTES)",
+                code="line_too_long",
+                param=f"line {n}",
+            )
         if isinstance(raw, bytes):
             try:
                 raw = raw.decode("utf-8")
@@ -157,12 +169,16 @@ def _lines(source: str | Path | IO[bytes] | IO[str]) -> Iterator[tuple[int, str]
         yield n, raw
 
 
-def iter_rows(source: str | Path | IO[bytes] | IO[str], fmt: str = "auto") -> Iterator[tuple[Format, Row]]:
-    """Parse and check a JSONL source row by row; `auto` takes the format of the first row."""
+def iter_rows(
+    source: str | Path | IO[bytes] | IO[str], fmt: str = "auto", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[tuple[Format, Row]]:
+    """Parse and check a JSONL source row by row; `auto` takes the format of the first row.
+
+    Memory is bounded by one line: a line longer than `max_line_bytes` raises DataError naming it."""
     if fmt not in FORMATS:
         raise DataError(f"unknown data format {fmt!r} (expected one of {', '.join(FORMATS)})", param="format")
     resolved: Format | None = None if fmt == "auto" else fmt  # type: ignore[assignment]
-    for n, text in _lines(source):
+    for n, text in _lines(source, max_line_bytes):
         if not text.strip():
             continue
         try:
@@ -171,6 +187,8 @@ def iter_rows(source: str | Path | IO[bytes] | IO[str], fmt: str = "auto") -> It
             raise DataError(
                 f"line {n}: malformed JSON ({exc.msg} at column {exc.colno})", param=f"line {n}"
             ) from exc
+        except RecursionError:
+            raise DataError(f"line {n}: JSON nested too deeply", param=f"line {n}") from None
         if resolved is None:
             resolved = detect_format(obj)
             if resolved is None:
@@ -182,13 +200,18 @@ def iter_rows(source: str | Path | IO[bytes] | IO[str], fmt: str = "auto") -> It
         yield resolved, parse_row(obj, resolved, n)
 
 
-def validate_jsonl(source: str | Path | IO[bytes] | IO[str] | bytes, fmt: str = "auto") -> ValidationReport:
-    """Check a JSONL dataset's structure without a tokenizer; raises DataError naming the first bad line."""
+def validate_jsonl(
+    source: str | Path | IO[bytes] | IO[str] | bytes,
+    fmt: str = "auto",
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> ValidationReport:
+    """Check a JSONL dataset's structure without a tokenizer, one line at a time; raises DataError naming
+    the first bad line (malformed, nested too deeply, longer than `max_line_bytes`)."""
     if isinstance(source, bytes):
         source = io.BytesIO(source)
     rows = assistant = 0
     resolved: Format | None = None
-    for fmt_seen, row in iter_rows(source, fmt):
+    for fmt_seen, row in iter_rows(source, fmt, max_line_bytes):
         resolved = fmt_seen
         rows += 1
         if row.messages is not None:
@@ -196,17 +219,3 @@ def validate_jsonl(source: str | Path | IO[bytes] | IO[str] | bytes, fmt: str = 
     if rows == 0 or resolved is None:
         raise DataError("the dataset has no rows", param="data")
     return ValidationReport(rows=rows, format=resolved, assistant_turns=assistant)
-
-
-def read_rows(source: str | Path, fmt: str = "auto", max_rows: int | None = None) -> tuple[Format, list[Row]]:
-    """All rows of a JSONL file (the first `max_rows`), and its format."""
-    rows: list[Row] = []
-    resolved: Format | None = None
-    for fmt_seen, row in iter_rows(source, fmt):
-        resolved = fmt_seen
-        rows.append(row)
-        if max_rows is not None and len(rows) >= max_rows:
-            break
-    if not rows or resolved is None:
-        raise DataError(f"{source}: the dataset has no rows", param="data")
-    return resolved, rows

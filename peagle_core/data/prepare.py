@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from peagle_core.data.chat import tokenize_conversation
-from peagle_core.data.formats import read_rows
+from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, iter_rows
 from peagle_core.data.vocab import build_draft_vocab, token_counts
 from peagle_core.errors import DataError, VerifierError
 from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
@@ -91,6 +91,22 @@ def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote
     return tokenizer, config.get_text_config(), (local if local.is_dir() else None)
 
 
+def verifier_data_fingerprint(
+    verifier: str | Path, revision: str | None = None, trust_remote_code: bool = False
+) -> str:
+    """What prepared data depends on in a verifier, by content: its tokenizer (vocabulary, special tokens,
+    chat template), vocabulary size and mask token. Two names for one verifier share prepared data; a
+    name whose files changed does not reuse what was prepared from the old files."""
+    tokenizer, config, verifier_dir = _load_tokenizer_and_config(str(verifier), revision, trust_remote_code)
+    vocab_size = int(config.vocab_size)
+    parts = [
+        tokenizer_fingerprint(tokenizer),
+        vocab_size,
+        find_mask_token_id(tokenizer, vocab_size, verifier_dir),
+    ]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def prepare_dataset(
     verifier_path: str | Path,
     data_path: str | Path,
@@ -101,11 +117,14 @@ def prepare_dataset(
     draft_vocab_size: int | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> PreparedDataset:
     """Tokenize, mask and truncate a JSONL dataset with the verifier's tokenizer; write it to `out_dir`.
 
-    Raises DataError naming the line for any bad row (including one with no trainable token left after
-    truncation), before anything is written.
+    The file is read one line at a time (each at most `max_line_bytes`) and every row is kept only as
+    its compact token tensors, so memory follows the tokens kept, not the JSON text. Raises DataError
+    naming the line for any bad row (including one with no trainable token left after truncation),
+    before anything is written.
     """
     if seq_len < _UNTRAINABLE_PREFIX + 1:
         raise DataError(f"seq_len must be >= {_UNTRAINABLE_PREFIX + 1}, got {seq_len}", param="seq_len")
@@ -118,11 +137,13 @@ def prepare_dataset(
         str(verifier_path), revision, trust_remote_code
     )
     vocab_size = int(config.vocab_size)
-    source_format, rows = read_rows(data_path, fmt, max_samples)
-
+    source_format = None
     all_ids: list[torch.Tensor] = []
     all_masks: list[torch.Tensor] = []
-    for row in rows:
+    for row_format, row in iter_rows(data_path, fmt, max_line_bytes):
+        if max_samples is not None and len(all_ids) >= max_samples:
+            break
+        source_format = row_format
         if row.messages is not None:
             ids, mask = tokenize_conversation(tokenizer, row.messages, line=row.line)
         else:
@@ -142,6 +163,8 @@ def prepare_dataset(
             )
         all_ids.append(torch.tensor(ids, dtype=torch.int32))
         all_masks.append(torch.tensor(mask, dtype=torch.uint8))
+    if not all_ids:
+        raise DataError(f"{data_path}: the dataset has no rows", param="data")
 
     input_ids = torch.cat(all_ids)
     loss_mask = torch.cat(all_masks)
@@ -183,7 +206,9 @@ def prepare_dataset(
     return PreparedDataset.open(out_dir)
 
 
-def prepare_for_spec(spec: JobSpec, data_path: str | Path, out_dir: str | Path) -> PreparedDataset:
+def prepare_for_spec(
+    spec: JobSpec, data_path: str | Path, out_dir: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> PreparedDataset:
     """`prepare_dataset` with the verifier, sequence length, format and vocabulary of a job spec."""
     return prepare_dataset(
         spec.verifier.name_or_path,
@@ -195,6 +220,7 @@ def prepare_for_spec(spec: JobSpec, data_path: str | Path, out_dir: str | Path) 
         draft_vocab_size=spec.model.draft_vocab_size,
         revision=spec.verifier.revision,
         trust_remote_code=spec.verifier.trust_remote_code,
+        max_line_bytes=max_line_bytes,
     )
 
 

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.errors import ApiError
 from service.artifacts import ArtifactStore
-from service.crud.projects import project_for_key
+from service.crud.projects import hash_key, project_for_key
 from service.db.models import Project
 from service.metrics import Metrics
 from service.settings import Settings
@@ -59,15 +59,17 @@ AppMetrics = Annotated[Metrics, Depends(get_metrics)]
 
 
 def current_project(
-    db: DB, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request, db: DB, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Project:
-    """The project of the presented API key; 401 (with the envelope) when missing or unknown."""
+    """The project of the presented API key; 401 (with the envelope) when missing or unknown. The key's
+    hash is left on `request.state.key_hash` (event streams are counted, and ended, per key)."""
     challenge = {"WWW-Authenticate": "Bearer"}
     if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
         raise ApiError(401, "missing API key: send `Authorization: Bearer <key>`", headers=challenge)
     project = project_for_key(db, creds.credentials)
     if project is None:
         raise ApiError(401, "invalid or revoked API key", code="invalid_api_key", headers=challenge)
+    request.state.key_hash = hash_key(creds.credentials)
     return project
 
 

@@ -34,6 +34,7 @@ _TYPES = {
     415: "invalid_request_error",
     416: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable",
 }
 _CODES = {
@@ -47,6 +48,7 @@ _CODES = {
     415: "unsupported_media_type",
     416: "range_not_satisfiable",
     422: "invalid_request",
+    429: "too_many_requests",
     503: "service_unavailable",
 }
 

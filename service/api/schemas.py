@@ -16,6 +16,36 @@ class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+def id_links(param: str, *operation_ids: str, source: str = "$response.body#/id") -> dict[str, Any]:
+    """OpenAPI links from a response's id to the operations taking it as the path parameter `param`, so
+    clients and stateful tests (Schemathesis) can follow create -> inspect -> delete."""
+    return {"links": {op: {"operationId": op, "parameters": {param: source}} for op in operation_ids}}
+
+
+JOB_OPS = (
+    "get_job_v1_jobs__job_id__get",
+    "cancel_job_v1_jobs__job_id__cancel_post",
+    "job_events_v1_jobs__job_id__events_get",
+    "job_metrics_v1_jobs__job_id__metrics_get",
+    "job_checkpoints_v1_jobs__job_id__checkpoints_get",
+    "delete_job_v1_jobs__job_id__delete",
+)
+DATASET_OPS = ("get_dataset_v1_datasets__dataset_id__get", "delete_dataset_v1_datasets__dataset_id__delete")
+CHECKPOINT_OPS = (
+    "checkpoint_v1_checkpoints__checkpoint_id__get",
+    "archive_v1_checkpoints__checkpoint_id__archive_get",
+    "delete_checkpoint_v1_checkpoints__checkpoint_id__delete",
+)
+
+
+class Deleted(BaseModel):
+    """The answer to a DELETE: the id is gone, files first, then rows; it now answers 404."""
+
+    id: str
+    object: Literal["job", "dataset", "checkpoint"]
+    deleted: Literal[True] = True
+
+
 class ErrorBody(BaseModel):
     type: str = Field(description="Error class: invalid_request_error, not_found_error, ...")
     code: str = Field(description="Stable machine-readable code.")
@@ -109,6 +139,10 @@ class Checkpoint(_Out):
     sha256: str = Field(description="sha256 of the canonical file manifest.")
     size: int
     metrics: dict[str, Any] | None
+    servable: Literal["verified", "unverified"] = Field(
+        description="`verified`: vLLM loaded this checkpoint and its greedy output with the drafter equalled "
+        "the verifier's own before it was published; `unverified`: no vLLM where the job ran."
+    )
     created_at: datetime
 
 

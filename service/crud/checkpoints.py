@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.artifacts import FileEntry, manifest_sha256
@@ -20,6 +20,7 @@ def add_checkpoint(
     uri: str,
     files: list[FileEntry],
     metrics: dict[str, Any] | None = None,
+    servable: str = "unverified",
     checkpoint_id: str | None = None,
 ) -> Checkpoint:
     """Add the row of a directory `ArtifactStore.publish_dir` has published under `uri` (the caller
@@ -33,6 +34,7 @@ def add_checkpoint(
         sha256=manifest_sha256(files),
         size=sum(int(f["size"]) for f in files),
         metrics=metrics,
+        servable=servable,
         created_at=utcnow(),
     )
     if checkpoint_id is not None:
@@ -47,7 +49,22 @@ def get_checkpoint(session: Session, project_id: str, checkpoint_id: str) -> Che
     )
 
 
+def delete_checkpoint(session: Session, checkpoint_id: str) -> None:
+    """Delete the row (the caller has removed its files and commits)."""
+    session.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint_id))
+
+
 def list_for_job(session: Session, job_id: str) -> list[Checkpoint]:
     return list(
         session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))
     )
+
+
+def list_for_jobs(session: Session, job_ids: list[str]) -> list[Checkpoint]:
+    """The checkpoints of several jobs (a page of the dashboard's job list), by job and step."""
+    if not job_ids:
+        return []
+    query = (
+        select(Checkpoint).where(Checkpoint.job_id.in_(job_ids)).order_by(Checkpoint.job_id, Checkpoint.step)
+    )
+    return list(session.scalars(query))

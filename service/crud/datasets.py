@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.crud.pagination import newest_first_page
@@ -39,6 +39,11 @@ def add_dataset(
 
 def get_dataset(session: Session, project_id: str, dataset_id: str) -> Dataset | None:
     return session.scalar(select(Dataset).where(Dataset.id == dataset_id, Dataset.project_id == project_id))
+
+
+def delete_dataset(session: Session, dataset_id: str) -> None:
+    """Delete the row (the caller has removed its file and commits)."""
+    session.execute(delete(Dataset).where(Dataset.id == dataset_id))
 
 
 def list_datasets(

@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db.models import JobEvent, utcnow
+from service.redact import redact_paths
 
 
 def add_event(
@@ -19,8 +20,16 @@ def add_event(
     level: str = "info",
     data: dict[str, Any] | None = None,
 ) -> JobEvent:
-    """Add an event to the session (the caller commits)."""
-    event = JobEvent(job_id=job_id, created_at=utcnow(), level=level, type=type, message=message, data=data)
+    """Add an event to the session (the caller commits). Server paths in its text are redacted: the
+    project reads its events, the machine's directory layout is not its business."""
+    event = JobEvent(
+        job_id=job_id,
+        created_at=utcnow(),
+        level=level,
+        type=type,
+        message=redact_paths(message),
+        data=redact_paths(data),
+    )
     session.add(event)
     return event
 

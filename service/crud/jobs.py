@@ -5,14 +5,15 @@ Status changes are not here: they go through `service.crud.jobstate.transition`,
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, func, select, update
+from sqlalchemy import Row, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from service.crud.events import add_event
 from service.crud.pagination import newest_first_page
-from service.db.models import Job, utcnow
+from service.db.models import TERMINAL_STATUSES, Job, utcnow
 
 ACTIVE_STATUSES = ("running", "cancelling")  # a worker holds the job
 UNFINISHED_STATUSES = ("queued", *ACTIVE_STATUSES)
@@ -85,6 +86,39 @@ def unfinished_jobs(session: Session) -> list[Job]:
     """Every queued, running or cancelling job, oldest first (the reconciler's worklist)."""
     query = select(Job).where(Job.status.in_(UNFINISHED_STATUSES)).order_by(Job.created_at)
     return list(session.scalars(query))
+
+
+def delete_job(session: Session, job_id: str) -> bool:
+    """Delete a finished job's row; its events, metrics, checkpoint and idempotency rows go with it (ON
+    DELETE CASCADE). Only a terminal job is deleted, so a worker can never write to a vanished row. The
+    caller has removed its files and commits; False when the job was not terminal (or is gone)."""
+    result = session.execute(
+        delete(Job)
+        .where(Job.id == job_id, Job.status.in_(TERMINAL_STATUSES))
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def finished_before(session: Session, cutoff: datetime, limit: int = 100) -> list[Job]:
+    """Terminal jobs that finished before `cutoff`, oldest first (what retention removes)."""
+    query = (
+        select(Job)
+        .where(Job.status.in_(TERMINAL_STATUSES), Job.finished_at < cutoff)
+        .order_by(Job.finished_at)
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def jobs_using_dataset(session: Session, project_id: str, dataset_id: str) -> list[str]:
+    """Ids of the project's unfinished jobs whose spec names the dataset."""
+    query = select(Job.id, Job.spec).where(Job.project_id == project_id, Job.status.in_(UNFINISHED_STATUSES))
+    return [
+        job_id
+        for job_id, spec in session.execute(query)
+        if (spec.get("dataset") or {}).get("id") == dataset_id
+    ]
 
 
 def list_jobs(

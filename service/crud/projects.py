@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.db.models import ApiKey, Project
+from service.db.models import ApiKey, Project, utcnow
 
 KEY_PREFIX = "peagle_sk_"
 
@@ -50,3 +50,52 @@ def project_for_key(session: Session, key: str) -> Project | None:
         .join(ApiKey, ApiKey.project_id == Project.id)
         .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
     )
+
+
+def key_is_live(session: Session, key_hash: str) -> bool:
+    """Whether the key with this hash exists and is not revoked (an open event stream re-checks it)."""
+    row = session.scalar(select(ApiKey.revoked_at.is_(None)).where(ApiKey.key_hash == key_hash))
+    return bool(row)
+
+
+def list_keys(session: Session, project_name: str | None = None) -> list[tuple[ApiKey, str]]:
+    """Every key (live and revoked) with its project's name, oldest first; optionally of one project."""
+    query = select(ApiKey, Project.name).join(Project, ApiKey.project_id == Project.id)
+    if project_name is not None:
+        query = query.where(Project.name == project_name)
+    return [(key, name) for key, name in session.execute(query.order_by(ApiKey.created_at, ApiKey.id))]
+
+
+def revoke_key(session: Session, key_id: str) -> ApiKey | None:
+    """Mark the key revoked (the caller commits): the next request with it gets 401, since every request
+    looks the key up. None when there is no such key; an already revoked key keeps its first date."""
+    row = session.get(ApiKey, key_id)
+    if row is not None and row.revoked_at is None:
+        row.revoked_at = utcnow()
+    return row
+
+
+def rotate_key(session: Session, key_id: str) -> tuple[str, ApiKey] | None:
+    """A new key for the same project and the old one revoked, in one commit; None for an unknown or
+    already revoked key. Returns (plaintext, new row)."""
+    old = session.get(ApiKey, key_id)
+    if old is None or old.revoked_at is not None:
+        return None
+    old.revoked_at = utcnow()
+    plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(
+        project_id=old.project_id, key_hash=hash_key(plaintext), prefix=plaintext[: len(KEY_PREFIX) + 6]
+    )
+    session.add(row)
+    session.commit()
+    return plaintext, row
+
+
+def live_key(session: Session, key: str) -> ApiKey | None:
+    """The unrevoked key row for a plaintext key (the dashboard's sign-in), or None."""
+    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+
+
+def live_key_by_id(session: Session, key_id: str) -> ApiKey | None:
+    """An unrevoked key by its id (a dashboard session names its key, and ends when the key is revoked)."""
+    return session.scalar(select(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)))

@@ -74,6 +74,10 @@ class Project(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("proj"))
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Limits (`peagle projects set`); NULL means unlimited / any queue.
+    allowed_queues: Mapped[list[str] | None] = mapped_column(JSONType, nullable=True)
+    max_running_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    storage_cap_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class ApiKey(Base):
@@ -177,6 +181,11 @@ class Checkpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64), doc="sha256 of the sorted file manifest.")
     size: Mapped[int] = mapped_column(BigInteger)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    servable: Mapped[str] = mapped_column(
+        String(16),
+        server_default="unverified",
+        doc="verified: vLLM loaded it and reproduced the verifier's greedy output before publishing.",
+    )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

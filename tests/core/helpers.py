@@ -26,7 +26,15 @@ def make_spec(verifier_dir: Path, data_path: Path, *, mode: str = "online", **tr
                 "seed": 7,
                 **training,
             },
-            "evaluation": {"prompts": 2, "max_new_tokens": 8, "speculative_tokens": [1, 3]},
+            # vLLM's own evaluation and publish gate have their tests (tests/serving); here they would only
+            # add an engine start to every training run.
+            "evaluation": {
+                "prompts": 2,
+                "max_new_tokens": 8,
+                "speculative_tokens": [1, 3],
+                "engine": "peagle",
+            },
+            "export": {"vllm_check": False},
         }
     )
 

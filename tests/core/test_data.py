@@ -239,3 +239,44 @@ def test_cli_prepare_and_its_one_line_error(toy_verifier_dir: Path, tmp_path: Pa
     result = runner.invoke(build_app(), [*args, "--data", str(bad), "--out", str(tmp_path / "q")])
     assert result.exit_code != 0
     assert isinstance(result.exception, DataError) and "line 2" in str(result.exception)
+
+
+def test_lines_are_read_with_a_bounded_size(toy_verifier_dir: Path, tmp_path: Path) -> None:
+    import tracemalloc
+
+    row = json.dumps({"messages": CONV})
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * (20 << 20)}, CONV[2]]})
+    path = tmp_path / "long.jsonl"
+    path.write_text(f"{row}\n{huge}\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=r"^line 2: longer than 1048576 bytes") as exc:
+            validate_jsonl(path, max_line_bytes=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert exc.value.code == "line_too_long"
+    assert peak < 8 << 20  # the 20 MB line was never read whole, let alone parsed
+    # A line of exactly the limit is fine; the worker's reader applies the same bound.
+    assert validate_jsonl(io.BytesIO(row.encode() + b"\n"), max_line_bytes=len(row)).rows == 1
+    with pytest.raises(DataError, match="line 2: longer than"):
+        prepare_dataset(toy_verifier_dir, path, tmp_path / "out", seq_len=64, max_line_bytes=1 << 20)
+
+
+def test_deeply_nested_json_names_the_line() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(DataError, match="line 2: JSON nested too deeply"):
+        validate_jsonl(io.BytesIO(json.dumps({"messages": CONV}).encode() + b"\n" + deep + b"\n"))
+
+
+def test_prepared_data_key_follows_the_verifiers_content(toy_verifier_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from peagle_core.data.prepare import verifier_data_fingerprint
+
+    copy = tmp_path / "same-verifier-other-name"
+    shutil.copytree(toy_verifier_dir, copy)
+    assert verifier_data_fingerprint(copy) == verifier_data_fingerprint(toy_verifier_dir)
+    # Other content (a new chat template changes every assistant mask): not the same prepared data.
+    (copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert verifier_data_fingerprint(copy) != verifier_data_fingerprint(toy_verifier_dir)

@@ -21,20 +21,20 @@ def tiny_model(
 ) -> tuple[PEagleDraftModel, Teacher]:
     """A small drafter with a random draft vocabulary, and the teacher of a random verifier head."""
     torch.manual_seed(seed)
-    config = PEagleConfig(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=VOCAB,
-        draft_vocab_size=DRAFT_VOCAB,
-        num_layers=num_layers,
-        num_depths=num_depths,
-        aux_layer_ids=[2, 4, 5],
-        mask_token_id=VOCAB - 1,
-        **overrides,
-    )
+    settings = {
+        "hidden_size": H,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "num_layers": num_layers,
+        "num_depths": num_depths,
+        "aux_layer_ids": [2, 4, 5],
+        "mask_token_id": VOCAB - 1,
+    }
+    config = PEagleConfig(**{**settings, **overrides})
     model = PEagleDraftModel(config)
     targets = torch.randperm(VOCAB - 1)[:DRAFT_VOCAB].sort().values
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
@@ -119,6 +119,26 @@ def test_fused_loss_matches_reference() -> None:
     torch.testing.assert_close(fused, ref)
     for a, b in zip(g_fused, g_ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_kl_loss_under_bf16_autocast_keeps_fp32_gradients() -> None:
+    # CUDA training runs under bf16 autocast: the loss's matmuls come back in bf16, its accumulators
+    # and the gradients it returns must stay fp32 (this raised "Index put requires the source and
+    # destination dtypes match" before).
+    torch.manual_seed(0)
+    hidden = torch.randn(30, H, requires_grad=True)
+    weight = (0.1 * torch.randn(DRAFT_VOCAB, H)).requires_grad_()
+    teacher, teacher_w = torch.randn(12, H), 0.1 * torch.randn(DRAFT_VOCAB, H)
+    target, row_w = torch.randint(0, 12, (30,)), torch.rand(30)
+    ref = reference_kl_loss(hidden, weight, teacher, teacher_w, target, row_w)
+    g_ref = torch.autograd.grad(ref, (hidden, weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused_kl_loss(hidden, weight, teacher, teacher_w, target, row_w)
+    grads = torch.autograd.grad(out.loss, (hidden, weight))
+    torch.testing.assert_close(out.loss, ref, rtol=0.05, atol=0.01)
+    for got, want in zip(grads, g_ref, strict=True):
+        assert got.dtype == torch.float32
+        assert float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)) > 0.99
 
 
 @pytest.mark.parametrize("norm_before_residual", [True, False])

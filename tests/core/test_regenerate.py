@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from peagle_core.data.chat import encode, render
-from peagle_core.data.formats import read_rows
+from peagle_core.data.formats import iter_rows
 from peagle_core.regenerate import (
     RegenParams,
     TransformersGenerator,
@@ -46,6 +46,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path, 
     torch.set_num_threads(1)
     regenerate(str(toy_verifier_dir), chat_data, out, RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128))
     return out
+
+
+def read_rows(path: Path) -> tuple[None, list]:
+    return None, [row for _, row in iter_rows(path)]
 
 
 def _greedy(verifier, messages: list[dict[str, str]], n: int) -> str:

@@ -35,6 +35,24 @@ def test_defaults_follow_the_parameter_table() -> None:
         ({"training": {"bogus": 1}}, "training.bogus"),
         ({"resources": {"queue": "no spaces"}}, "resources.queue"),
         ({"export": {"dtype": "fp16"}}, "export.dtype"),
+        # Every list and number a client sends has an upper bound.
+        ({"evaluation": {"prompts": ["p"] * 1001}}, "evaluation.prompts"),
+        ({"evaluation": {"prompts": ["p" * 40000]}}, "evaluation.prompts"),
+        ({"evaluation": {"prompts": 10**6}}, "evaluation.prompts"),
+        ({"evaluation": {"speculative_tokens": [1] * 33}}, "evaluation.speculative_tokens"),
+        ({"evaluation": {"speculative_tokens": [10**9]}}, "evaluation.speculative_tokens.0"),
+        ({"training": {"seed": 2**63}}, "training.seed"),
+        ({"verifier": {"name_or_path": "v", "layer_ids": [1, 2, 10**9]}}, "verifier.layer_ids.2"),
+        ({"dataset": {"path": "d", "max_samples": 10**12}}, "dataset.max_samples"),
+        ({"dataset": {"path": "d", "seq_len": 10**7}}, "dataset.seq_len"),
+        ({"model": {"max_anchors": 10**9}}, "model.max_anchors"),
+        ({"model": {"num_layers": 65}}, "model.num_layers"),
+        ({"model": {"num_depths": 33}}, "model.num_depths"),
+        ({"model": {"draft_vocab_size": 10**9}}, "model.draft_vocab_size"),
+        ({"training": {"checkpoint_every_steps": 10**12}}, "training.checkpoint_every_steps"),
+        ({"training": {"max_steps": 10**12}}, "training.max_steps"),
+        ({"training": {"lr": 2.0}}, "training.lr"),
+        ({"hidden_states": {"max_cache_bytes": 1 << 60}}, "hidden_states.max_cache_bytes"),
     ],
 )
 def test_bad_fields_are_named(patch: dict, param: str) -> None:
@@ -51,6 +69,14 @@ def test_cross_field_rules() -> None:
         parse_spec({**BASE, "training": {"total_seq_len": 256}})
     with pytest.raises(SpecError, match="exactly one"):
         parse_spec({**BASE, "dataset": {"path": "a", "id": "b"}})
+
+
+def test_speculative_tokens_are_deduplicated_and_bounded_by_num_depths() -> None:
+    spec = parse_spec({**BASE, "evaluation": {"speculative_tokens": [3, 1, 3, 1, 2]}})
+    assert spec.evaluation.speculative_tokens == [1, 2, 3]
+    with pytest.raises(SpecError, match="num_depths"):
+        parse_spec({**BASE, "model": {"num_depths": 2}, "evaluation": {"speculative_tokens": [1, 3]}})
+    assert parse_spec({**BASE, "training": {"seed": 2**63 - 1}}).training.seed == 2**63 - 1
 
 
 def test_yaml_and_json_files_map_one_to_one(tmp_path) -> None:

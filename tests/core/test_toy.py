@@ -34,14 +34,16 @@ def test_toy_verifier_loads_through_from_pretrained(toy_verifier_dir: Path) -> N
     assert out.shape[1] > ids.shape[1]
 
 
-def test_build_is_cached_and_deterministic(tmp_path: Path) -> None:
+def test_build_is_cached_and_deterministic(tmp_path: Path, toy_verifier_dir: Path) -> None:
+    # One fresh build, compared byte for byte with the session's (another cache, maybe another process).
     first = build_toy_verifier("test", seed=0, cache_dir=tmp_path / "a")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     again = build_toy_verifier("test", seed=0, cache_dir=tmp_path / "a")
     assert again == first
     assert (again / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
 
-    other = build_toy_verifier("test", seed=0, cache_dir=tmp_path / "b")
+    other = toy_verifier_dir
+    assert other.parent != first.parent
     assert (other / "model.safetensors").read_bytes() == (first / "model.safetensors").read_bytes()
     assert (other / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
 

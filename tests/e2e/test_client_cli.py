@@ -272,6 +272,7 @@ def test_download_discards_a_corrupt_partial_and_verifies(
 
     code, stdout, _ = peagle("checkpoints", "list", published_checkpoint["job_id"])
     assert code == 0 and published_checkpoint["id"] in stdout
+    assert "servable" in stdout and "unverified" in stdout  # published without the vLLM gate
 
 
 def test_download_refuses_bytes_that_do_not_match_the_published_sha256(

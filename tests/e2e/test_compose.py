@@ -66,6 +66,8 @@ def test_compose_has_the_production_services(compose: dict[str, Any]) -> None:
     assert any(v.startswith("pgdata:") for v in services["postgres"]["volumes"])
     assert any(v.startswith("artifacts:") for v in services["api"]["volumes"])
     assert any(v.startswith("artifacts:") for v in services["worker"]["volumes"])
+    assert services["worker"]["build"]["target"] == "worker"  # the image with vLLM (the publish gate)
+    assert services["api"]["build"]["target"] == "api"
 
 
 def test_compose_commands_exist_in_the_cli(compose: dict[str, Any], cli: Any) -> None:
@@ -113,8 +115,12 @@ def test_api_port_matches_its_command_and_health_check(compose: dict[str, Any]) 
 def test_dockerfile_installs_the_project() -> None:
     text = (ROOT / "Dockerfile").read_text()
     froms = [line for line in text.splitlines() if line.startswith("FROM")]
-    assert froms == ["FROM python:3.11-slim"]
+    assert froms == ["FROM python:3.11-slim AS api", "FROM api AS worker"]
     assert "pip install ." in text
+    # The worker image carries the vLLM the serving tests pin, so the publish gate runs in production.
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"ARG VLLM_PACKAGE={dev['vllm'][0]}" in text
+    assert dev["vllm"][0].split("==")[1] in " ".join(dev["dev"])
     copied = re.findall(r"^COPY (\S+)", text, flags=re.M)
     for path in copied:
         assert (ROOT / path).exists(), f"Dockerfile copies {path}, which does not exist"

@@ -122,6 +122,11 @@ def test_up_runs_the_demo_stops_on_ctrl_c_and_resumes(stack) -> None:
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "checkpoint valid" in demo.stdout
     assert "VLLM_USE_V2_MODEL_RUNNER=0 vllm serve" in demo.stdout
+    # vLLM is installed here, so the demo's job went through the publish gate and vLLM measured it too.
+    assert re.search(
+        r"acceptance length at K=4: \d\.\d{3} \(peagle eval\), \d\.\d{3} \(vllm 0\.32\.0", demo.stdout
+    )
+    assert "servable: verified" in demo.stdout
     spec_file = data_dir / "demo" / "job.yaml"
     assert spec_file.is_file()
 
@@ -130,6 +135,7 @@ def test_up_runs_the_demo_stops_on_ctrl_c_and_resumes(stack) -> None:
         assert job["status"] == "succeeded"
         assert job["spec"]["hidden_states"]["mode"] == "hybrid"
         (ckpt,) = client.list_checkpoints(job["id"])["data"][-1:]
+        assert ckpt["servable"] == "verified"
     from peagle_core.export import validate_checkpoint
 
     downloaded = data_dir / "demo" / ckpt["id"]

@@ -39,6 +39,7 @@ def checkpoint(client, auth, spec, settings, db_url, tmp_path) -> dict:
             uri=f"checkpoints/ckpt_{job['id'][4:]}",
             files=files,
             metrics={"acceptance_length": 2.1},
+            servable="verified",
             checkpoint_id=f"ckpt_{job['id'][4:]}",
         )
         s.commit()
@@ -59,6 +60,7 @@ def test_list_and_inspect(client, auth, checkpoint) -> None:
         n: hashlib.sha256(d).hexdigest() for n, d in FILES.items()
     }
     assert ck["size"] == sum(map(len, FILES.values())) and ck["step"] == 2
+    assert ck["servable"] == "verified" and listed[0]["servable"] == "verified"
 
 
 def test_archive_is_a_valid_tar_of_every_file(client, auth, checkpoint) -> None:
@@ -75,6 +77,11 @@ def test_file_download_with_checksum(client, auth, checkpoint) -> None:
     assert r.status_code == 200 and r.content == data
     assert r.headers["x-checksum-sha256"] == hashlib.sha256(data).hexdigest()
     assert r.headers["accept-ranges"] == "bytes" and r.headers["repr-digest"].startswith("sha-256=:")
+    # Always a download, never rendered or sniffed by a browser.
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert r.headers["content-disposition"].startswith('attachment; filename="model.safetensors"')
+    readme = client.get(f"/v1/checkpoints/{checkpoint['id']}/files/README.md", headers=auth)
+    assert readme.headers["content-disposition"].startswith("attachment")
 
 
 @pytest.mark.parametrize(

@@ -66,3 +66,21 @@ def test_upload_needs_multipart_file_field(client, auth) -> None:
     assert r.status_code == 415
     r = client.post("/v1/datasets", files={"other": ("x.jsonl", GOOD)}, headers=auth)
     assert r.status_code == 422 and r.json()["error"]["param"] == "file"
+
+
+def test_long_or_deeply_nested_lines_are_422_naming_the_line(make_settings, auth, redis_conn) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    settings = make_settings(max_line_bytes=4096)
+    long_line = json.dumps({"messages": [{"role": "user", "content": "x" * 5000}]}).encode() + b"\n"
+    deep = b"[" * 2000 + b"]" * 2000 + b"\n"
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        r = c.post("/v1/datasets", files={"file": ("a.jsonl", GOOD + long_line)}, headers=auth)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["code"] == "line_too_long" and "line 4" in r.json()["error"]["message"]
+        r = c.post("/v1/datasets", files={"file": ("b.jsonl", GOOD + deep)}, headers=auth)
+        assert r.status_code == 422, r.text
+        assert "line 4: JSON nested too deeply" in r.json()["error"]["message"]
+    assert _artifact_files(settings) == []

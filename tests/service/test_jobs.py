@@ -60,11 +60,14 @@ def test_server_paths_must_be_under_allowed_roots(client, auth, spec, tmp_path) 
             {**spec, "hidden_states": {"cache_uri": f"{root}/../outside/cache"}},
         ),
         ("spec.dataset.path", {**spec, "dataset": {**spec["dataset"], "path": f"{root}/missing.jsonl"}}),
+        ("spec.model.init_from", {**spec, "model": {"init_from": str(outside)}}),
     ]
     for param, bad in cases:
         r = client.post("/v1/jobs", json={"spec": bad}, headers=auth)
         assert r.status_code == 422, (param, r.text)
         assert r.json()["error"]["param"] == param
+    inside = {**spec, "model": {"init_from": spec["verifier"]["name_or_path"]}}
+    assert client.post("/v1/jobs", json={"spec": inside}, headers=auth).status_code == 201
 
 
 def test_hub_ids_and_remote_code_need_operator_opt_in(client, auth, spec, make_settings) -> None:

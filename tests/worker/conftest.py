@@ -3,6 +3,7 @@ and poll the database (with a deadline) for the states the tests wait on."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PEAGLE = [sys.executable, "-m", "cli"]
+
+
+# Overrides for a job that is evaluated by vLLM too and published through the vLLM gate.
+VLLM_ON: dict[str, Any] = {"evaluation": {"engine": "both"}, "export": {"vllm_check": True}}
 
 
 def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str, Any]:
@@ -32,7 +37,10 @@ def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str,
             "checkpoint_every_steps": 2,
             "seed": 3,
         },
-        "evaluation": {"prompts": 2, "max_new_tokens": 8},
+        # vLLM runs in the tests that use VLLM_ON (and tests/serving); elsewhere it would only add an engine
+        # start to every job.
+        "evaluation": {"prompts": 2, "max_new_tokens": 8, "engine": "peagle"},
+        "export": {"vllm_check": False},
     }
     for section, values in overrides.items():
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
@@ -62,6 +70,8 @@ class Stack:
             "PEAGLE_ARTIFACT_ROOT": settings.artifact_root,
             "PEAGLE_WORKER_HEARTBEAT_S": "1",
             "PEAGLE_CANCEL_GRACE_S": str(settings.cancel_grace_s),
+            "PEAGLE_ALLOWED_MODEL_ROOTS": json.dumps([str(p) for p in settings.allowed_model_roots]),
+            "PEAGLE_ALLOWED_DATA_ROOTS": json.dumps([str(p) for p in settings.allowed_data_roots]),
             "PYTHONPATH": str(REPO),
         }
 
@@ -161,10 +171,22 @@ class Stack:
 
 @pytest.fixture
 def stack(
-    make_settings: Callable[..., Any], isolated_db_url: str, redis_conn: Any, tmp_path: Path
+    make_settings: Callable[..., Any],
+    isolated_db_url: str,
+    redis_conn: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     # Workers and the reconciler act on every job in the database: give each test a database of its own.
-    settings = make_settings(database_url=isolated_db_url, worker_heartbeat_s=1.0, cancel_grace_s=60.0)
+    # The worker re-checks server paths, so the session's tmp tree (toy verifier, corpus) is an allowed root.
+    roots = [tmp_path_factory.getbasetemp()]
+    settings = make_settings(
+        database_url=isolated_db_url,
+        worker_heartbeat_s=1.0,
+        cancel_grace_s=60.0,
+        allowed_model_roots=roots,
+        allowed_data_roots=roots,
+    )
     s = Stack(settings, redis_conn, tmp_path)
     try:
         yield s

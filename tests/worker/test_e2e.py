@@ -6,13 +6,14 @@ import subprocess
 from pathlib import Path
 
 from service.artifacts import ArtifactStore, manifest_sha256
-from tests.worker.conftest import PEAGLE, REPO, Stack, toy_spec
+from tests.worker.conftest import PEAGLE, REPO, VLLM_ON, Stack, toy_spec
 
 
 def test_job_succeeds_and_publishes_a_valid_checkpoint(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path
 ) -> None:
-    job_id = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path))
+    # The whole production path: evaluated by us and by vLLM, published through the vLLM gate.
+    job_id = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path, **VLLM_ON))
     stack.run_burst()
     job = stack.job(job_id)
     assert job.status == "succeeded", (job.error, [e.message for e in stack.events(job_id)])
@@ -24,12 +25,24 @@ def test_job_succeeds_and_publishes_a_valid_checkpoint(
         assert stage in stages
 
     metrics = stack.metrics(job_id)
-    assert any("eval/acceptance_length@2" in m for m in metrics)
+    ours = [m["eval/acceptance_length@2"] for m in metrics if "eval/acceptance_length@2" in m]
+    theirs = [m["eval/vllm_acceptance_length@2"] for m in metrics if "eval/vllm_acceptance_length@2" in m]
+    assert ours and theirs and 1.0 <= theirs[-1] <= 3.0
     train_steps = sorted({m["step"] for m in metrics if "loss" in m})
     assert train_steps == [1, 2, 3, 4]
 
     (ckpt,) = stack.checkpoints(job_id)
     assert ckpt.step == 4
+    assert ckpt.servable == "verified"
+    serving = ckpt.metrics["eval"]["serving"]
+    assert serving["status"] == "verified" and serving["engine"].startswith("vllm ")
+    assert serving["k"] == 2 and serving["prompts"] == 2
+    assert {f["name"] for f in ckpt.files} >= {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+        "serving.json",
+    }
     assert ckpt.sha256 == manifest_sha256(ckpt.files)
     store = ArtifactStore(stack.settings.artifact_root)
     assert store.verify_files(ckpt.uri, ckpt.files) == []
@@ -41,6 +54,28 @@ def test_job_succeeds_and_publishes_a_valid_checkpoint(
         dest.write_bytes(b"".join(store.iter_range(f"{ckpt.uri}/{f['name']}")))
     res = subprocess.run([*PEAGLE, "export", "validate", str(out)], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert "servable: **verified** by vllm" in (out / "README.md").read_text()
+
+
+def test_without_the_gate_a_checkpoint_is_published_unverified(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    job_id = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path, training={"max_steps": 2}))
+    stack.run_burst()
+    job = stack.job(job_id)
+    assert job.status == "succeeded", job.error
+    (ckpt,) = stack.checkpoints(job_id)
+    assert ckpt.servable == "unverified"
+    assert ckpt.metrics["eval"]["serving"] == {
+        "status": "unverified",
+        "reason": "export.vllm_check is false",
+        "engine": None,
+        "k": None,
+        "prompts": 0,
+        "output_tokens": 0,
+        "acceptance_length": None,
+        "acceptance_rate_per_position": [],
+    }
 
 
 def test_missing_verifier_fails_with_a_clear_code(

@@ -83,7 +83,14 @@ def test_writes_happen_off_the_training_thread_in_few_transactions(job) -> None:
     assert 1 <= writer.flushes <= 3
     steps, progress = stored(sessions, job_id)
     assert steps == [*range(1, 101), 100]
-    assert progress == {"stage": "train", "step": 100, "total_steps": 100, "eta_s": 0.0}
+    # The best acceptance length so far rides along, for job lists.
+    assert progress == {
+        "stage": "train",
+        "step": 100,
+        "total_steps": 100,
+        "eta_s": 0.0,
+        "acceptance_length": 1.5,
+    }
     with sessions() as s:
         last = s.scalars(select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.id)).all()
     assert last[0].values["attempt"] == 2 and last[-1].values["eval/acceptance_length@2"] == 1.5

@@ -53,20 +53,18 @@ def test_cancel_during_regeneration_stops_cleanly_and_the_next_job_resumes(
 ) -> None:
     from service.crud import jobstate
 
-    rows = 96  # six batches of generation: room to cancel between two
+    rows = 240  # fifteen batches of generation: the cancel lands well before the last
     data = write_toy_dataset(tmp_path / "chat.jsonl", n=rows, seed=1)
     spec = toy_spec(toy_verifier_dir, data, dataset={"regenerate": REGEN}, training={"max_steps": 2})
     job_id = stack.submit(spec)
     stack.worker()
-    # cancel once the stage reports progress and some conversations are still to do
-    stack.wait_for(
-        "regeneration progress",
-        lambda: 0 < ((stack.job(job_id).progress or {}).get("regenerate") or {}).get("done", 0) < rows,
-        timeout=300,
-        every=0.05,
-    )
-    progress = stack.job(job_id).progress
-    assert progress["stage"] == "regenerate" and progress["regenerate"]["total"] == rows
+
+    def first_batch_appended() -> bool:
+        logs = list(Path(stack.settings.artifact_root).glob("regenerated/*/data.jsonl.parts"))
+        return bool(logs) and logs[0].read_bytes().count(b"\n") >= 2  # the header and a conversation
+
+    # cancel as soon as the work log shows progress, while most conversations are still to do
+    stack.wait_for("the first regenerated conversations", first_batch_appended, timeout=300, every=0.01)
     with stack.sessions() as s:
         assert jobstate.transition(s, job_id, "cancelling", expect=("running",), event="cancel requested")
     job = stack.wait_status(job_id, "cancelled", "failed", "succeeded", timeout=120)
@@ -74,6 +72,8 @@ def test_cancel_during_regeneration_stops_cleanly_and_the_next_job_resumes(
     (stopped,) = [e for e in stack.events(job_id) if "regeneration stopped" in e.message]
     done = stopped.data["conversations"]
     assert 0 < done < rows
+    progress = stack.job(job_id).progress["regenerate"]  # the stage's progress, flushed before the status
+    assert progress["done"] == done and progress["total"] == rows and "eta_s" in progress
     assert not [e for e in stack.events(job_id) if e.type == "stage" and e.data["stage"] == "prepare"]
     work_log = _regen_dir(stack) / "data.jsonl.parts"
     assert work_log.read_bytes().count(b"\n") == done + 1  # header + one line per finished conversation

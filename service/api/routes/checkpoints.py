@@ -8,6 +8,7 @@ import re
 import tarfile
 from collections.abc import Iterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
@@ -18,6 +19,7 @@ from service.api.errors import ApiError, not_found
 from service.artifacts import ArtifactStore
 from service.crud.checkpoints import get_checkpoint
 from service.db.models import Checkpoint
+from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_row
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
@@ -39,6 +41,18 @@ def _checkpoint_or_404(db: DB, project_id: str, checkpoint_id: str) -> Checkpoin
 )
 def checkpoint(checkpoint_id: str, db: DB, project: CurrentProject) -> schemas.Checkpoint:
     return schemas.Checkpoint.model_validate(_checkpoint_or_404(db, project.id, checkpoint_id))
+
+
+@router.delete(
+    "/{checkpoint_id}",
+    response_model=schemas.Deleted,
+    responses=_ERRORS,
+    summary="Delete a checkpoint (its files, then its row)",
+)
+def delete_checkpoint(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+    delete_checkpoint_files_and_row(db, store, _checkpoint_or_404(db, project.id, checkpoint_id))
+    db.commit()
+    return schemas.Deleted(id=checkpoint_id, object="checkpoint")
 
 
 def _tar_plan(ckpt: Checkpoint) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
@@ -96,10 +110,18 @@ def archive(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -
         media_type="application/x-tar",
         headers={
             "Content-Length": str(total),
-            "Content-Disposition": f'attachment; filename="{ckpt.id}.tar"',
+            "Content-Disposition": _attachment(f"{ckpt.id}.tar"),
+            "X-Content-Type-Options": "nosniff",
             "X-Checkpoint-Sha256": ckpt.sha256,
         },
     )
+
+
+def _attachment(name: str) -> str:
+    """`attachment` with an ASCII fallback name and the exact UTF-8 name (RFC 6266 / 5987)."""
+    base = name.rsplit("/", 1)[-1]
+    ascii_name = re.sub(r"[^A-Za-z0-9._-]", "_", base) or "download"
+    return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(base, safe='')}"
 
 
 def parse_range(header: str, size: int) -> tuple[int, int] | None:
@@ -160,6 +182,10 @@ def file(
     digest = base64.b64encode(bytes.fromhex(entry["sha256"])).decode()
     headers = {
         "Accept-Ranges": "bytes",
+        # A download, never a page: a checkpoint file (README.md, any name a worker wrote) must not be
+        # rendered or sniffed into HTML by a browser on the API's origin.
+        "Content-Disposition": _attachment(name),
+        "X-Content-Type-Options": "nosniff",
         "ETag": f'"{entry["sha256"]}"',
         "X-Checksum-Sha256": entry["sha256"],
         "Repr-Digest": f"sha-256=:{digest}:",

@@ -15,10 +15,13 @@ from peagle_core.errors import DataError
 from service.api import schemas
 from service.api.deps import DB, AppSettings, CurrentProject, Store
 from service.api.errors import ApiError, not_found
+from service.api.quotas import check_storage
 from service.api.upload import SpooledFile, spool_multipart_file
 from service.artifacts import ArtifactStore
 from service.crud import datasets as crud
+from service.crud.jobs import jobs_using_dataset
 from service.db.models import Dataset, new_id
+from service.lifecycle import delete_dataset as delete_dataset_files_and_row
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -53,6 +56,8 @@ def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
     response_model=schemas.Dataset,
     responses={
         **_ERRORS,
+        201: schemas.id_links("dataset_id", *schemas.DATASET_OPS),
+        403: {"model": schemas.ErrorEnvelope},
         413: {"model": schemas.ErrorEnvelope},
         415: {"model": schemas.ErrorEnvelope},
         422: {"model": schemas.ErrorEnvelope},
@@ -71,28 +76,44 @@ async def upload_dataset(
     project: CurrentProject,
     format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
 ) -> schemas.Dataset:
+    project_id = project.id
+    declared = request.headers.get("content-length", "")
+    # The declared length includes the multipart framing (well under 64 KiB).
+    adding = max(0, int(declared) - (64 << 10)) if declared.isdigit() else 0
+    await run_in_threadpool(_refuse_early_if_over_cap, db, project_id, adding)
     spool_dir = Path(settings.data_dir) / "tmp"
     spool_dir.mkdir(parents=True, exist_ok=True)
     spooled = await spool_multipart_file(
         request, "file", spool_dir / f"upload-{uuid.uuid4().hex}", settings.max_upload_bytes
     )
     try:
-        row = await run_in_threadpool(_store_and_record, store, db, project.id, spooled, format)
+        row = await run_in_threadpool(
+            _store_and_record, store, db, project_id, spooled, format, settings.max_line_bytes
+        )
     finally:
         with contextlib.suppress(OSError):
             spooled.path.unlink()
     return schemas.Dataset.model_validate(row)
 
 
+def _refuse_early_if_over_cap(db: DB, project_id: str, adding: int) -> None:
+    try:
+        check_storage(db, project_id, adding)
+    finally:
+        db.rollback()  # no transaction stays open during the (long) upload
+
+
 def _store_and_record(
-    store: ArtifactStore, db: DB, project_id: str, spooled: SpooledFile, fmt: str
+    store: ArtifactStore, db: DB, project_id: str, spooled: SpooledFile, fmt: str, max_line_bytes: int
 ) -> Dataset:
+    """Validate (line by line), copy to the store and insert the row; runs on a worker thread."""
     from peagle_core.data import validate_jsonl
 
     try:
-        report = validate_jsonl(spooled.path, fmt=fmt)
+        report = validate_jsonl(spooled.path, fmt=fmt, max_line_bytes=max_line_bytes)
     except DataError as exc:
         raise ApiError(422, exc.message, code=exc.code, param="file") from None
+    check_storage(db, project_id, spooled.size)
     dataset_id = new_id("ds")
     key = f"datasets/{dataset_id}/data.jsonl"
     sha, size = store.write_stream(key, _chunks(spooled.path))
@@ -143,3 +164,26 @@ def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dat
     if row is None:
         raise not_found("dataset", dataset_id)
     return schemas.Dataset.model_validate(row)
+
+
+@router.delete(
+    "/{dataset_id}",
+    response_model=schemas.Deleted,
+    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    summary="Delete a dataset (its file, then its row)",
+    description="A dataset that a queued or running job will read answers 409 naming the job.",
+)
+def delete_dataset(dataset_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+    row = crud.get_dataset(db, project.id, dataset_id)
+    if row is None:
+        raise not_found("dataset", dataset_id)
+    if users := jobs_using_dataset(db, project.id, dataset_id):
+        raise ApiError(
+            409,
+            f"dataset {dataset_id} is used by unfinished job {users[0]}; cancel it or wait until it ends",
+            code="dataset_in_use",
+            param="dataset_id",
+        )
+    delete_dataset_files_and_row(db, store, row)
+    db.commit()
+    return schemas.Deleted(id=dataset_id, object="dataset")

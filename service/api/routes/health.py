@@ -1,15 +1,19 @@
-"""Liveness, readiness (database and Redis reachable) and Prometheus metrics; no auth."""
+"""Liveness, readiness (database and Redis reachable) and Prometheus metrics; no API key (the cross-project
+gauges of /metrics need `PEAGLE_METRICS_TOKEN` when it is set)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Header
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from service.api import schemas
-from service.api.deps import AppMetrics, RedisConn, Sessions
+from service.api.deps import AppMetrics, AppSettings, RedisConn, Sessions
 from service.api.errors import error_response
 
 router = APIRouter(tags=["health"])
@@ -51,7 +55,17 @@ async def readyz(sessions: Sessions, redis: RedisConn) -> schemas.Readiness | JS
     response_class=Response,
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     summary="Prometheus metrics",
+    description="HTTP traffic always; the jobs-by-status and queue-depth gauges (every project's) only "
+    "with `Authorization: Bearer <PEAGLE_METRICS_TOKEN>` when that setting is set.",
 )
-async def metrics(app_metrics: AppMetrics) -> Response:
+async def metrics(
+    app_metrics: AppMetrics,
+    settings: AppSettings,
+    authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> Response:
     body = await run_in_threadpool(generate_latest, app_metrics.registry)
+    token = settings.metrics_token
+    presented = (authorization or "").removeprefix("Bearer ").strip()
+    if token is None or secrets.compare_digest(presented.encode(), token.get_secret_value().encode()):
+        body += await run_in_threadpool(generate_latest, app_metrics.state)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

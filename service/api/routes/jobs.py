@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -15,15 +15,18 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 
 from service.api import schemas
-from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions
+from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
 from service.api.errors import ApiError, not_found
+from service.api.quotas import StreamSlots, check_new_job
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
 from service.crud import events as events_crud
 from service.crud import idempotency, jobstate
 from service.crud import jobs as jobs_crud
 from service.crud import metrics as metrics_crud
+from service.crud.projects import key_is_live
 from service.db.models import Job
+from service.lifecycle import delete_job as delete_job_files_and_rows
 from service.paths import check_spec_paths
 from service.queue import enqueue_run
 
@@ -48,7 +51,14 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
     "",
     status_code=201,
     response_model=schemas.Job,
-    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    responses={
+        **_ERRORS,
+        201: schemas.id_links("job_id", *schemas.JOB_OPS),
+        403: {"model": schemas.ErrorEnvelope},
+        409: {"model": schemas.ErrorEnvelope},
+        413: {"model": schemas.ErrorEnvelope},
+        429: {"model": schemas.ErrorEnvelope},
+    },
     summary="Create a training job",
     description='Body: `{"spec": JobSpec}`. The spec is validated (errors name the field, e.g. '
     "`spec.training.lr`), server paths are checked against the allowed roots, and the job is stored as "
@@ -65,8 +75,14 @@ def create_job(
     project: CurrentProject,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> schemas.Job:
-    spec = body.spec
-    check_spec_paths(spec, settings)
+    spec = check_spec_paths(body.spec, settings, project_id=project.id)
+    if "mlflow" in spec.tracking.report_to and not settings.mlflow_tracking_uri:
+        raise ApiError(
+            422,
+            "this server has no MLflow tracking server (PEAGLE_MLFLOW_TRACKING_URI): remove mlflow",
+            code="tracker_unavailable",
+            param="spec.tracking.report_to",
+        )
     if spec.dataset.id is not None and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
         raise ApiError(
             422, f"no dataset with id {spec.dataset.id!r}", code="dataset_not_found", param="spec.dataset.id"
@@ -78,6 +94,7 @@ def create_job(
         replay = _replay(db, project.id, idempotency_key, body_hash, response)
         if replay is not None:
             return replay
+    check_new_job(db, project.id, spec.resources.queue)
     job = jobs_crud.create_job(db, project.id, resolved, max_attempts=settings.max_attempts)
     if idempotency_key is not None:
         idempotency.remember(db, project.id, idempotency_key, body_hash, job.id)
@@ -189,6 +206,27 @@ def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -
     return schemas.Job.model_validate(job)
 
 
+@router.delete(
+    "/{job_id}",
+    response_model=schemas.Deleted,
+    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    summary="Delete a finished job, its checkpoints and its files",
+    description="Only a succeeded, failed or cancelled job can be deleted (409 otherwise). Its published "
+    "checkpoints and work files are removed from the artifact store first, then its rows.",
+)
+def delete_job(job_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+    job = _job_or_404(db, project.id, job_id)
+    if not jobstate.is_terminal(job.status) or not delete_job_files_and_rows(db, store, job):
+        raise ApiError(
+            409,
+            f"job {job.id} is {job.status}; cancel it and wait until it ends before deleting it",
+            code="job_not_finished",
+            param="job_id",
+        )
+    db.commit()
+    return schemas.Deleted(id=job_id, object="job")
+
+
 def _drop_from_queue(redis: RedisConn, job_id: str) -> None:
     # Best effort: a worker that still dequeues it finds the row cancelled and skips it.
     from rq.exceptions import NoSuchJobError
@@ -226,8 +264,12 @@ def job_events(
         start = after
         if last_event_id and last_event_id.strip().isdigit():
             start = int(last_event_id.strip())
-        return StreamingResponse(
-            _follow(request, sessions, job_id, start, settings.events_poll_s),
+        key_hash: str = request.state.key_hash
+        slots: StreamSlots = request.app.state.streams
+        slots.acquire(key_hash)
+        return _SlotStream(
+            _follow(request, sessions, job_id, start, settings.events_poll_s, key_hash),
+            release=lambda: slots.release(key_hash),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -239,25 +281,46 @@ def job_events(
     )
 
 
-async def _follow(
-    request: Request, sessions: Sessions, job_id: str, after: int | None, poll_s: float
-) -> AsyncIterator[bytes]:
-    """Poll the DB for new events and emit them as SSE until the job is terminal and drained."""
+class _SlotStream(StreamingResponse):
+    """A streaming response that gives its stream slot back however it ends (drained, disconnected,
+    cancelled, or never started)."""
 
-    def poll(cursor: int | None) -> tuple[list[schemas.Event], str | None]:
+    def __init__(self, *args: Any, release: Callable[[], None], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+async def _follow(
+    request: Request, sessions: Sessions, job_id: str, after: int | None, poll_s: float, key_hash: str
+) -> AsyncIterator[bytes]:
+    """Poll the DB for new events and emit them as SSE until the job is terminal and drained, or the
+    API key that opened the stream is revoked."""
+
+    def poll(cursor: int | None) -> tuple[list[schemas.Event], str | None, bool]:
         # Status first, events second: the two reads need not share a snapshot (SQLite autocommits
         # each SELECT), and a terminal status read first guarantees the events read after include the
         # terminal transition's event.
         with sessions() as db:
+            if not key_is_live(db, key_hash):
+                return [], None, False
             job = jobs_crud.find_job(db, job_id)
             status = job.status if job else None
             rows, _ = events_crud.events_after(db, job_id, cursor, 500)
-            return [schemas.Event.model_validate(e) for e in rows], status
+            return [schemas.Event.model_validate(e) for e in rows], status, True
 
     cursor = after
     idle = 0.0
     while True:
-        events, status = await anyio.to_thread.run_sync(poll, cursor)
+        events, status, live = await anyio.to_thread.run_sync(poll, cursor)
+        if not live:
+            yield f"event: end\ndata: {json.dumps({'reason': 'api key revoked'})}\n\n".encode()
+            return
         for ev in events:
             cursor = ev.id
             yield f"id: {ev.id}\nevent: {ev.type}\ndata: {ev.model_dump_json()}\n\n".encode()
@@ -301,7 +364,10 @@ def job_metrics(
 @router.get(
     "/{job_id}/checkpoints",
     response_model=schemas.CheckpointList,
-    responses=_ERRORS,
+    responses={
+        **_ERRORS,
+        200: schemas.id_links("checkpoint_id", *schemas.CHECKPOINT_OPS, source="$response.body#/data/0/id"),
+    },
     summary="Published checkpoints",
 )
 def job_checkpoints(job_id: str, db: DB, project: CurrentProject) -> schemas.CheckpointList:

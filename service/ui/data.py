@@ -1,0 +1,119 @@
+"""What the dashboard's scripts and links fetch with the session cookie: metric series, the live event
+stream, dataset upload, and downloads. Each is the REST route's own function, called with the signed-in
+project, so scoping and answers are the API's."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import Response
+from pydantic import Field
+
+from service.api import schemas
+from service.api.deps import DB, AppSettings, Sessions, Store
+from service.api.errors import not_found
+from service.api.routes import checkpoints as checkpoints_api
+from service.api.routes import datasets as datasets_api
+from service.api.routes import jobs as jobs_api
+from service.api.routes import tracking as tracking_api
+from service.crud import jobs as jobs_crud
+from service.crud import metrics as metrics_crud
+from service.ui.session import CsrfHeader, UiProject
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+
+
+@functools.cache
+def _plotly() -> tuple[bytes, str]:
+    from plotly.offline import get_plotlyjs
+
+    body = get_plotlyjs().encode()
+    return body, hashlib.sha256(body).hexdigest()[:16]
+
+
+@router.get("/assets/plotly.min.js")
+def plotly_js(if_none_match: Annotated[str | None, Header()] = None) -> Response:
+    """plotly.js from the installed plotly wheel: the charts need nothing from the internet."""
+    body, etag = _plotly()
+    headers = {"ETag": f'"{etag}"', "Cache-Control": "public, max-age=86400"}
+    if if_none_match == f'"{etag}"':
+        return Response(status_code=304, headers=headers)
+    return Response(body, media_type="text/javascript", headers=headers)
+
+
+class MetricPage(schemas.MetricList):
+    cursor: int | None = Field(description="The last row's id: pass it as `after` to get only newer rows.")
+
+
+@router.get("/data/jobs/{job_id}/metrics", response_model=MetricPage)
+def metrics(
+    job_id: str,
+    db: DB,
+    project: UiProject,
+    after: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+) -> MetricPage:
+    """The API's metric series plus the last row id even on the last page, so a live chart asks only
+    for rows it has not drawn."""
+    if jobs_crud.get_job(db, project.id, job_id) is None:
+        raise not_found("job", job_id)
+    rows, has_more = metrics_crud.metrics_after(db, job_id, after, limit)
+    return MetricPage(
+        data=[schemas.MetricPoint.model_validate(m) for m in rows],
+        has_more=has_more,
+        next_cursor=str(rows[-1].id) if has_more else None,
+        cursor=rows[-1].id if rows else after,
+    )
+
+
+@router.get("/data/jobs/{job_id}/events")
+def events(
+    job_id: str,
+    request: Request,
+    db: DB,
+    sessions: Sessions,
+    settings: AppSettings,
+    project: UiProject,
+    after: Annotated[int | None, Query(ge=0)] = None,
+    last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+):
+    """JSON page, or with `Accept: text/event-stream` (an EventSource) the live stream until the job ends."""
+    return jobs_api.job_events(job_id, request, db, sessions, settings, project, after, 1000, last_event_id)
+
+
+@router.post("/data/datasets", response_model=schemas.Dataset, status_code=201, dependencies=[CsrfHeader])
+async def upload_dataset(
+    request: Request,
+    db: DB,
+    store: Store,
+    settings: AppSettings,
+    project: UiProject,
+    format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
+) -> schemas.Dataset:
+    return await datasets_api.upload_dataset(request, db, store, settings, project, format)
+
+
+@router.get("/checkpoints/{checkpoint_id}/archive")
+def checkpoint_archive(checkpoint_id: str, db: DB, store: Store, project: UiProject):
+    return checkpoints_api.archive(checkpoint_id, db, store, project)
+
+
+@router.get("/checkpoints/{checkpoint_id}/files/{name}")
+def checkpoint_file(
+    checkpoint_id: str,
+    name: str,
+    request: Request,
+    db: DB,
+    store: Store,
+    project: UiProject,
+    range: Annotated[str | None, Header(max_length=200)] = None,
+):
+    return checkpoints_api.file(checkpoint_id, name, request, db, store, project, range)
+
+
+@router.get("/jobs/{job_id}/tensorboard")
+def tensorboard(job_id: str, db: DB, store: Store, project: UiProject):
+    return tracking_api.tensorboard_archive(job_id, db, store, project)

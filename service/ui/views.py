@@ -1,0 +1,208 @@
+"""What the dashboard's templates show: the Jinja2 environment, display filters, and the view models built
+from rows (job list rows, checkpoint cards, the stage timeline)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
+
+from peagle_core.serve import serve_command
+from service.db.models import Checkpoint, Job, JobEvent, Project, utcnow
+from service.ui.session import CSRF_FIELD, UiSession, save_session
+
+HERE = Path(__file__).parent
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+
+# Everything is served by this app: no CDN, no inline script (page data travels as JSON in <script
+# type="application/json">, which is not executed). Plotly sets inline styles on its SVG.
+CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+)
+
+# Status is never shown by colour alone: each has a symbol and its word.
+STATUS_SYMBOLS = {
+    "queued": "◷",
+    "running": "▶",
+    "cancelling": "◼",
+    "succeeded": "✔",
+    "failed": "✖",
+    "cancelled": "⊘",
+}
+
+
+def age(value: datetime | None, now: datetime | None = None) -> str:
+    """`value` as "12 s ago", "5 min ago", "3 h ago", "2 d ago"."""
+    if value is None:
+        return "—"
+    seconds = max(0, int(((now or utcnow()) - value).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds // size} {unit} ago"
+    return f"{seconds} s ago"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    if seconds >= 60:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds} s"
+
+
+def size(n: int | None) -> str:
+    if n is None:
+        return "—"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+templates.env.filters.update(age=age, duration=duration, size=size)
+templates.env.globals.update(STATUS_SYMBOLS=STATUS_SYMBOLS, CSRF_FIELD=CSRF_FIELD)
+
+
+def render(
+    request: Request,
+    name: str,
+    session: UiSession,
+    project: Project | None = None,
+    status_code: int = 200,
+    **context: Any,
+) -> HTMLResponse:
+    """A page (or fragment) with the session's CSRF token; sets the cookie when the session is new.
+
+    A form shown again with its errors answers 200, as HTML forms do: a 4xx document is a console error
+    in the browser, and the errors are in the page (role="alert", aria-invalid) rather than the status.
+    """
+    response = templates.TemplateResponse(
+        request,
+        name,
+        {"csrf": session.csrf, "project": project, "nav": context.pop("nav", None), **context},
+        status_code=status_code,
+    )
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers["Cache-Control"] = "no-store"
+    if session.fresh:
+        save_session(request, response, session)
+    return response
+
+
+def _eval(ckpt: Checkpoint) -> dict[str, Any]:
+    return (ckpt.metrics or {}).get("eval") or {}
+
+
+def checkpoint_acceptance(ckpt: Checkpoint) -> dict[str, float]:
+    """{"k=4": 2.1, ...}: our evaluation's acceptance length per K, from the checkpoint's eval.json."""
+    results = _eval(ckpt).get("results") or {}
+    return {
+        k: float(r["acceptance_length"])
+        for k, r in results.items()
+        if isinstance(r, dict) and isinstance(r.get("acceptance_length"), int | float)
+    }
+
+
+def vllm_acceptance(ckpt: Checkpoint) -> dict[str, float]:
+    """vLLM's acceptance length per K where it was measured: its spec-decode counters during our
+    evaluation (`evaluation.engine`), else the publish check's run on the published files."""
+    out = {}
+    for k, r in (_eval(ckpt).get("results") or {}).items():
+        value = ((r or {}).get("vllm") or {}).get("acceptance_length") if isinstance(r, dict) else None
+        if isinstance(value, int | float):
+            out[k] = float(value)
+    serving = _eval(ckpt).get("serving") or {}
+    if not out and isinstance(serving.get("acceptance_length"), int | float) and serving.get("k"):
+        out[f"k={serving['k']}"] = float(serving["acceptance_length"])
+    return out
+
+
+@dataclass
+class JobRow:
+    job: Job
+    best_acceptance: float | None
+
+    @property
+    def percent(self) -> int | None:
+        p = self.job.progress or {}
+        step, total = p.get("step"), p.get("total_steps")
+        if self.job.status == "succeeded":
+            return 100
+        if isinstance(step, int) and isinstance(total, int) and total > 0:
+            return min(100, round(100 * step / total))
+        return None
+
+
+def job_rows(jobs: list[Job], checkpoints: list[Checkpoint]) -> list[JobRow]:
+    """List rows with each job's best acceptance length: its checkpoints' evaluation, else the best
+    evaluation a running job has reported so far."""
+    best: dict[str, float] = {}
+    for ckpt in checkpoints:
+        for value in checkpoint_acceptance(ckpt).values():
+            best[ckpt.job_id] = max(value, best.get(ckpt.job_id, 0.0))
+    rows = []
+    for job in jobs:
+        value = best.get(job.id)
+        if value is None and isinstance((job.progress or {}).get("acceptance_length"), int | float):
+            value = float(job.progress["acceptance_length"])
+        rows.append(JobRow(job, value))
+    return rows
+
+
+@dataclass
+class CheckpointCard:
+    ckpt: Checkpoint
+    acceptance: dict[str, float]
+    vllm: dict[str, float]
+    command: str
+
+
+def checkpoint_cards(job: Job, checkpoints: list[Checkpoint]) -> list[CheckpointCard]:
+    spec = job.spec
+    ks = (spec.get("evaluation") or {}).get("speculative_tokens") or [
+        (spec.get("model") or {}).get("num_depths", 4)
+    ]
+    verifier = (spec.get("verifier") or {}).get("name_or_path", "VERIFIER")
+    return [
+        CheckpointCard(
+            ckpt=c,
+            acceptance=checkpoint_acceptance(c),
+            vllm=vllm_acceptance(c),
+            # The archive unpacks into a directory named after the checkpoint.
+            command=serve_command(verifier, f"./{c.id}", max(ks)),
+        )
+        for c in checkpoints
+    ]
+
+
+@dataclass
+class Stage:
+    name: str
+    started: datetime
+    seconds: float | None  # None while it is the current stage of a running job
+
+
+def timeline(job: Job, events: list[JobEvent]) -> list[Stage]:
+    """The job's stages in order with how long each took (the last one ends when the job did)."""
+    marks: list[tuple[str, datetime]] = []
+    for e in events:
+        # The runner and the trainer both announce some stages: a repeat of the current one is no new stage.
+        if e.type == "stage" and e.data and (not marks or marks[-1][0] != e.data.get("stage")):
+            marks.append((str(e.data.get("stage")), e.created_at))
+    stages = []
+    for i, (name, start) in enumerate(marks):
+        end = marks[i + 1][1] if i + 1 < len(marks) else job.finished_at
+        stages.append(Stage(name, start, (end - start).total_seconds() if end else None))
+    return stages

@@ -1,0 +1,59 @@
+"""Drafters of every shape vLLM must serve, trained briefly on the toy verifier and exported as users get them.
+
+Two drafters cover the shapes the serving tests need: full vocabulary with four layers and
+`norm_before_residual` (K = 1..4), and a reduced draft vocabulary with one layer and without it (K = 1..3).
+The second trains longer, so that its acceptance length is well above 1 and the comparison of our figure
+with vLLM's means something.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from peagle_core.spec import parse_spec
+from tests.core.helpers import make_spec
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_layers: int
+    num_depths: int
+    draft_vocab_size: int | None
+    norm_before_residual: bool
+    steps: int
+
+
+SHAPES = (
+    Shape("full-vocab-4-layers", 4, 4, None, True, 20),
+    Shape("draft-vocab-1-layer", 1, 3, 256, False, 200),
+)
+
+
+@pytest.fixture(scope="session")
+def exported_drafters(
+    tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> dict[str, Path]:
+    """Shape name -> the published (bf16) checkpoint directory of a drafter trained on the toy."""
+    from peagle_core.train import train
+
+    out = {}
+    for shape in SHAPES:
+        raw = make_spec(
+            toy_verifier_dir, toy_dataset_path, max_steps=shape.steps, checkpoint_every_steps=1000, lr=3e-3
+        ).model_dump(mode="json", exclude_unset=True)
+        raw["model"] |= {
+            "num_layers": shape.num_layers,
+            "num_depths": shape.num_depths,
+            "draft_vocab_size": shape.draft_vocab_size,
+            "norm_before_residual": shape.norm_before_residual,
+        }
+        raw["evaluation"] |= {"speculative_tokens": [shape.num_depths]}
+        spec = parse_spec(raw)
+        result = train(spec, tmp_path_factory.mktemp(shape.name))
+        assert result.export_dir is not None
+        out[shape.name] = result.export_dir
+    return out

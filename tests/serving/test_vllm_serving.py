@@ -1,0 +1,163 @@
+"""Real vLLM loads every shape of checkpoint we export; with the drafter its greedy output is unchanged,
+its acceptance length agrees with ours, and the publish gate refuses what vLLM refuses."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from peagle_core.serving_check import NotServableError, ServingCheck, check_in_vllm
+from tests.fixtures.vllm import SERVING_NEW_TOKENS
+from tests.serving.conftest import SHAPES
+
+CASES = [(shape.name, k) for shape in SHAPES for k in range(1, shape.num_depths + 1)]
+
+
+def test_plain_greedy_reference_is_not_degenerate(plain_greedy: list[list[int]]) -> None:
+    # A verifier that repeats one token would make every drafter look perfect.
+    assert all(len(set(tokens)) >= 4 for tokens in plain_greedy)
+
+
+@pytest.mark.parametrize(("shape", "k"), CASES, ids=[f"{s}-K{k}" for s, k in CASES])
+def test_vllm_serves_every_shape_with_unchanged_greedy_output(
+    vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, shape: str, k: int
+) -> None:
+    run = vllm_engine.generate(
+        str(toy_verifier_dir), serving_prompts, SERVING_NEW_TOKENS, drafter=str(exported_drafters[shape]), k=k
+    )
+    assert run.tokens == plain_greedy
+    assert run.num_drafts > 0 and run.num_draft_tokens == k * run.num_drafts  # the drafter really ran
+    assert len(run.accepted_per_position) == k
+    assert 1.0 <= run.acceptance_length <= k + 1
+
+
+def test_acceptance_length_agrees_with_vllm(
+    vllm_engine, exported_drafters, toy_verifier_dir, toy_verifier, serving_prompts
+) -> None:
+    from peagle_core.evaluate import evaluate
+    from peagle_core.model import PEagleDraftModel
+    from peagle_core.vllm_judge import GAP_TOLERANCE, agreement_gap
+
+    path, k = exported_drafters["draft-vocab-1-layer"], 3
+    drafter = PEagleDraftModel.from_pretrained(path)  # the published bf16 weights, as vLLM reads them
+    prompts = [torch.tensor(p) for p in serving_prompts]
+    ours = evaluate(
+        drafter, toy_verifier, prompts, k, SERVING_NEW_TOKENS, toy_verifier.tokenizer.eos_token_id
+    )
+    theirs = vllm_engine.generate(
+        str(toy_verifier_dir), serving_prompts, SERVING_NEW_TOKENS, drafter=str(path), k=k
+    )
+    assert ours.tokens == theirs.tokens  # the same greedy chain...
+    assert ours.acceptance_length > 1.1  # ...with a drafter that accepts something...
+    assert (
+        agreement_gap(ours.acceptance_length, theirs.acceptance_length) <= GAP_TOLERANCE
+    )  # ...counted alike
+    for a, b in zip(ours.acceptance_rate_per_position, theirs.acceptance_rate_per_position, strict=True):
+        assert abs(a - b) <= 0.05
+
+
+def _with_full_vocab_map(src: Path, dst: Path) -> Path:
+    """The checkpoint as our export wrote it before the fix: d2t/t2d beside a full draft vocabulary."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    vocab = tensors["lm_head.weight"].shape[0]
+    tensors["d2t"] = torch.zeros(vocab, dtype=torch.long)
+    tensors["t2d"] = torch.ones(vocab, dtype=torch.bool)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_the_gate_refuses_a_checkpoint_vllm_refuses_and_publishes_nothing(
+    vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, tmp_path
+) -> None:
+    from peagle_core.export import export_checkpoint
+    from peagle_core.model import PEagleDraftModel
+
+    bad = _with_full_vocab_map(exported_drafters["full-vocab-4-layers"], tmp_path / "bad")
+    with pytest.raises(NotServableError) as err:
+        check_in_vllm(
+            vllm_engine,
+            verifier=str(toy_verifier_dir),
+            checkpoint_dir=bad,
+            prompts=serving_prompts,
+            k=2,
+            max_new_tokens=SERVING_NEW_TOKENS,
+            reference=plain_greedy,
+        )
+    assert err.value.code == "export_not_servable"
+    assert "draft_id_to_target_id" in str(err.value)  # vLLM's own words
+
+    # Through the export: the gate runs on the finished temporary directory, so nothing appears.
+    model = PEagleDraftModel.from_pretrained(exported_drafters["full-vocab-4-layers"])
+
+    def gate(tmp: Path) -> ServingCheck:
+        _with_full_vocab_map(tmp, tmp_path / "tampered")
+        return check_in_vllm(
+            vllm_engine,
+            verifier=str(toy_verifier_dir),
+            checkpoint_dir=tmp_path / "tampered",
+            prompts=serving_prompts,
+            k=2,
+            max_new_tokens=SERVING_NEW_TOKENS,
+            reference=plain_greedy,
+        )
+
+    out = tmp_path / "published"
+    with pytest.raises(NotServableError):
+        export_checkpoint(model, out, verifier_name_or_path=str(toy_verifier_dir), serving=gate)
+    assert not out.exists()
+
+
+def test_a_verified_export_records_the_check_beside_the_weights(
+    vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, tmp_path
+) -> None:
+    from peagle_core.export import export_checkpoint
+    from peagle_core.model import PEagleDraftModel
+
+    model = PEagleDraftModel.from_pretrained(exported_drafters["draft-vocab-1-layer"])
+
+    def gate(tmp: Path) -> ServingCheck:
+        return check_in_vllm(
+            vllm_engine,
+            verifier=str(toy_verifier_dir),
+            checkpoint_dir=tmp,
+            prompts=serving_prompts,
+            k=3,
+            max_new_tokens=SERVING_NEW_TOKENS,
+            reference=plain_greedy,
+        )
+
+    out = export_checkpoint(model, tmp_path / "ok", verifier_name_or_path=str(toy_verifier_dir), serving=gate)
+    check = ServingCheck.load(out)
+    assert check is not None and check.status == "verified" and check.k == 3
+    assert check.prompts == len(serving_prompts) and check.acceptance_length >= 1.0
+    card = (out / "README.md").read_text()
+    assert "servable: **verified** by vllm 0.32.0" in card
+    assert f"acceptance length at K=3: {check.acceptance_length:.3f}" in card
+
+
+def test_peagle_eval_reports_both_engines_on_the_same_prompts(
+    exported_drafters, toy_verifier_dir, toy_dataset_path
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from peagle_core.vllm_judge import GAP_TOLERANCE
+
+    drafter = exported_drafters["draft-vocab-1-layer"]
+    res = subprocess.run(
+        [sys.executable, "-m", "cli", "eval", "--drafter", str(drafter), "--verifier", str(toy_verifier_dir),
+         "--data", str(toy_dataset_path), "-k", "3", "--prompts", "4", "--max-new-tokens", "16",
+         "--seq-len", "128", "--engine", "both"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert row["k"] == 3 and row["num_prompts"] == 4
+    assert row["vllm"]["matches_greedy"] is True and row["vllm"]["num_prompts"] == 4
+    assert row["gap"] <= GAP_TOLERANCE

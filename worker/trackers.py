@@ -1,0 +1,287 @@
+"""A job's experiment trackers (`tracking.report_to`): TensorBoard event files and an MLflow run.
+
+`JobTrackers` runs on its own thread beside the job: it tails the job's metric rows (the same rows the
+API serves, so a tracker holds exactly the API's values, on one path for single- and multi-GPU jobs) and
+forwards them to each tracker. A tracker that raises logs one warning event and is dropped for the rest of
+the job; it never fails the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from peagle_core.spec import JobSpec
+from service.artifacts import ArtifactStore
+from service.crud.events import add_event
+from service.crud.jobs import holder
+from service.crud.metrics import metrics_after
+from service.settings import Settings
+from service.tracking import tensorboard_key
+
+log = logging.getLogger(__name__)
+
+# One value per (tracker, spec key); MLflow's limits on a param value and on a log_batch call.
+_MLFLOW_PARAM_MAX = 6000
+_MLFLOW_BATCH = 1000
+_MLFLOW_PARAMS_BATCH = 100
+# MLflow's run statuses for our terminal job statuses; an unfinished job keeps its run open (it resumes).
+_MLFLOW_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
+
+
+def mlflow_metric_name(key: str) -> str:
+    """A metric key as MLflow accepts it (letters, digits, `_-. /:`): `eval/acceptance_length@4` becomes
+    `eval/acceptance_length_4`."""
+    return re.sub(r"[^\w\-. /:]", "_", key)
+
+
+def numeric_values(values: dict[str, Any]) -> dict[str, float]:
+    """The chartable part of a metric row: finite numbers, without the step and attempt counters."""
+    return {
+        k: float(v)
+        for k, v in values.items()
+        if k not in ("step", "attempt") and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """`{"training": {"lr": 0.1}}` -> `{"training.lr": "0.1"}`: the resolved spec as MLflow params."""
+    out: dict[str, str] = {}
+    for k, v in data.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{name}."))
+        else:
+            out[name] = (v if isinstance(v, str) else json.dumps(v))[:_MLFLOW_PARAM_MAX]
+    return out
+
+
+class Tracker(Protocol):
+    """What the fan-out calls; any exception disables the tracker for the rest of the job."""
+
+    name: str
+
+    def log_metrics(self, rows: list[tuple[int, float, dict[str, float]]]) -> None:
+        """Rows of (step, unix time, values), in logging order."""
+
+    def log_checkpoint(self, path: Path) -> None:
+        """The published checkpoint directory."""
+
+    def close(self, status: str | None) -> None:
+        """The job's status now (None if unknown); called once, last."""
+
+
+class TensorBoardTracker:
+    """Event files under the job's artifact folder (`tensorboard --logdir` reads them as they grow)."""
+
+    name = "tensorboard"
+
+    def __init__(self, store: ArtifactStore, job_id: str, scratch: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.store = store
+        self.key = tensorboard_key(job_id)
+        local = store.local_path(self.key)
+        # A remote store gets the finished folder at close; attempts add event files beside each other.
+        self.log_dir = local if local is not None else scratch / "tensorboard"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(self.log_dir), flush_secs=5)
+
+    def log_metrics(self, rows: list[tuple[int, float, dict[str, float]]]) -> None:
+        for step, walltime, values in rows:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, global_step=step, walltime=walltime)
+        self.writer.flush()
+
+    def log_checkpoint(self, path: Path) -> None:
+        """TensorBoard holds no files; the checkpoint is in the service."""
+
+    def close(self, status: str | None) -> None:
+        self.writer.close()
+        if self.store.local_path(self.key) is None:
+            self.store.delete(self.key)
+            self.store.publish_dir(self.log_dir, self.key)
+
+
+class MlflowTracker:
+    """One MLflow run per job (found again by its `peagle.job_id` tag when a later attempt resumes)."""
+
+    name = "mlflow"
+
+    def __init__(self, settings: Settings, job_id: str, project_id: str, spec: dict[str, Any]):
+        # An unreachable server must fail in seconds, not after MLflow's default minutes of retries;
+        # the operator's own MLFLOW_HTTP_* settings win.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        if not settings.mlflow_tracking_uri:
+            raise RuntimeError("PEAGLE_MLFLOW_TRACKING_URI is not set on the worker")
+        self.client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
+        experiment_id = self._experiment(settings.mlflow_experiment)
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`peagle.job_id` = '{job_id}'", max_results=1
+        )
+        if found:
+            self.run_id = found[0].info.run_id
+            return
+        run = self.client.create_run(
+            experiment_id,
+            run_name=spec.get("name") or job_id,
+            tags={"peagle.job_id": job_id, "peagle.project_id": project_id},
+        )
+        self.run_id = run.info.run_id
+        params = [Param(k, v) for k, v in flatten(spec).items()]
+        for i in range(0, len(params), _MLFLOW_PARAMS_BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + _MLFLOW_PARAMS_BATCH])
+        self.client.log_dict(self.run_id, spec, "spec.json")
+
+    def _experiment(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException:  # another worker created it first
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def log_metrics(self, rows: list[tuple[int, float, dict[str, float]]]) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [
+            Metric(mlflow_metric_name(k), v, int(walltime * 1000), step)
+            for step, walltime, values in rows
+            for k, v in values.items()
+        ]
+        for i in range(0, len(metrics), _MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + _MLFLOW_BATCH])
+
+    def log_checkpoint(self, path: Path) -> None:
+        self.client.log_artifacts(self.run_id, str(path), artifact_path="checkpoint")
+
+    def close(self, status: str | None) -> None:
+        if status in _MLFLOW_STATUS:
+            self.client.set_terminated(self.run_id, _MLFLOW_STATUS[status])
+
+
+class JobTrackers:
+    """Tails one attempt's metric rows into the job's trackers on a daemon thread.
+
+    `start()` returns at once (opening a tracker may wait on the network); `finish(checkpoint_dir)`, called
+    after the job's final status is written, forwards the last rows and the checkpoint, closes every
+    tracker and waits for that at most `finish_timeout_s`.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: sessionmaker[Session],
+        store: ArtifactStore,
+        job_id: str,
+        project_id: str,
+        attempt: int,
+        spec: JobSpec,
+        *,
+        poll_s: float = 2.0,
+        finish_timeout_s: float = 300.0,
+    ):
+        self.settings, self.sessions, self.store = settings, sessions, store
+        self.job_id, self.project_id, self.attempt = job_id, project_id, attempt
+        self.spec = spec
+        self.poll_s, self.finish_timeout_s = poll_s, finish_timeout_s
+        self.trackers: list[Tracker] = []
+        self._cursor: int | None = None
+        self._checkpoint: Path | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"trackers-{job_id}", daemon=True)
+
+    def start(self) -> JobTrackers:
+        if self.spec.tracking.report_to:
+            self._thread.start()
+        return self
+
+    def finish(self, checkpoint_dir: str | Path | None = None) -> None:
+        if not self._thread.is_alive():
+            return
+        self._checkpoint = Path(checkpoint_dir) if checkpoint_dir else None
+        self._done.set()
+        self._thread.join(self.finish_timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "job %s: trackers still busy after %.0f s; leaving them", self.job_id, self.finish_timeout_s
+            )
+
+    # -- the thread --------------------------------------------------------------------------------
+
+    def _open(self, name: str) -> Tracker:
+        if name == "tensorboard":
+            scratch = Path(self.settings.data_dir) / "scratch" / self.job_id
+            return TensorBoardTracker(self.store, self.job_id, scratch)
+        return MlflowTracker(self.settings, self.job_id, self.project_id, self.spec.model_dump(mode="json"))
+
+    def _run(self) -> None:
+        for name in self.spec.tracking.report_to:
+            tracker = self._call(name, "start", lambda name=name: self._open(name))
+            if tracker is not None:
+                self.trackers.append(tracker)
+        while not self._done.wait(self.poll_s):
+            self._forward()
+        self._forward()
+        with self.sessions() as session:
+            row = holder(session, self.job_id)
+        status = row.status if row is not None else None
+        for tracker in list(self.trackers):
+            if self._checkpoint is not None and status == "succeeded":
+                self._call(
+                    tracker.name, "checkpoint upload", lambda t=tracker: t.log_checkpoint(self._checkpoint)
+                )
+            if tracker in self.trackers:
+                self._call(tracker.name, "close", lambda t=tracker: t.close(status))
+
+    def _forward(self) -> None:
+        """Send the attempt's metric rows logged since the last call to every live tracker."""
+        while self.trackers:
+            with self.sessions() as session:
+                rows, more = metrics_after(session, self.job_id, self._cursor, 1000)
+            if not rows:
+                return
+            self._cursor = rows[-1].id
+            batch = [
+                (r.step, r.created_at.timestamp(), numeric_values(r.values))
+                for r in rows
+                if r.values.get("attempt", self.attempt) == self.attempt
+            ]
+            for tracker in list(self.trackers):
+                self._call(tracker.name, "metrics", lambda t=tracker, b=batch: t.log_metrics(b))
+            if not more:
+                return
+
+    def _call(self, name: str, action: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            log.warning("job %s: %s tracker failed during %s: %s", self.job_id, name, action, exc)
+            self.trackers = [t for t in self.trackers if t.name != name]
+            reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+            with self.sessions() as session:
+                add_event(
+                    session,
+                    self.job_id,
+                    "warning",
+                    f"{name} tracker failed during {action} and is off for the rest of this job: {reason}",
+                    level="warning",
+                    data={"tracker": name, "action": action, "error": type(exc).__name__},
+                )
+                session.commit()
+            return None
