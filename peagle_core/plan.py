@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.spec import JobSpec
+from peagle_core.vllm_judge import resolve_engines
 
 PLAN_VERSION = 1
 CALIBRATION_STEPS = 5  # the first is warm-up; the other four time a step
@@ -41,6 +42,7 @@ class Rates:
     train_tokens_per_step: float
     eval_s_per_pass: float  # speculative decoding: one verifier pass (drafting included)
     eval_tokens_per_prompt: float  # generated per prompt before EOS or max_new_tokens
+    vllm_eval_s: float = 0.0  # one evaluation through vLLM's spec-decode counters (evaluation.engine)
     regen_s_per_batch: float | None = None  # one batch of REGEN_BATCH conversations
     regen_tokens_per_s: float | None = None
 
@@ -98,7 +100,7 @@ def calibrate(spec: JobSpec, data_path: Path, dataset_dir: Path, work_dir: Path)
     regen_batch_s = regen_rate = None
     if spec.dataset.regenerate is not None:
         regen_batch_s, regen_rate = _regen_rate(spec, data_path, verifier)
-    train_setup_s, step_s, tokens_per_step, eval_rate, eval_tokens = _train_rates(
+    train_setup_s, step_s, tokens_per_step, eval_rate, eval_tokens, vllm_eval_s = _train_rates(
         spec, dataset_dir, work_dir, verifier
     )
     return Rates(
@@ -111,6 +113,7 @@ def calibrate(spec: JobSpec, data_path: Path, dataset_dir: Path, work_dir: Path)
         train_tokens_per_step=tokens_per_step,
         eval_s_per_pass=eval_rate,
         eval_tokens_per_prompt=eval_tokens,
+        vllm_eval_s=vllm_eval_s,
         regen_s_per_batch=regen_batch_s,
         regen_tokens_per_s=regen_rate,
     )
@@ -155,8 +158,9 @@ def _regen_rate(spec: JobSpec, data_path: Path, verifier: Any) -> tuple[float, f
 
 
 def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any) -> tuple[float, ...]:
-    """(setup s, s/step, tokens/step) from a few real training steps, then (eval s per verifier pass, eval
-    tokens per prompt) from speculative decoding of a few held-out prompts at the job's own length."""
+    """(setup s, s/step, tokens/step) from a few real training steps (with, when the job evaluates through
+    vLLM too, the seconds of one such evaluation), then (eval s per verifier pass, eval tokens per prompt)
+    from our speculative decoding of a few held-out prompts at the job's own length."""
     from peagle_core.data import PreparedDataset
     from peagle_core.evaluate import evaluate, held_out_prompts
     from peagle_core.train import train
@@ -167,8 +171,20 @@ def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any
     calib.training.epochs = max(calib.training.epochs, 1000)  # small data: keep stepping
     calib.training.eval_every_steps = None
     calib.training.checkpoint_every_steps = 10**6
-    calib.evaluation.prompts = 0  # timed below, after a warm-up, as the job's first evaluation is not
+    calib.export.vllm_check = False
+    uses_vllm = resolve_engines(spec).vllm
+    # our decoder is timed below, after a warm-up; vLLM's evaluation (its start-up included) is timed here
+    calib.evaluation.prompts = CALIBRATION_PROMPTS if uses_vllm else 0
+    if uses_vllm:
+        calib.evaluation.engine = "vllm"
     stamps: list[tuple[float, float]] = []
+    marks: dict[str, float] = {}
+
+    def on_event(kind: str, _message: str, _data: dict[str, Any] | None = None) -> None:
+        if kind == "eval":
+            marks.setdefault("eval", time.perf_counter())
+        elif "eval" in marks:
+            marks.setdefault("eval_end", time.perf_counter())
 
     def on_metrics(m: dict[str, Any]) -> None:
         if "loss" in m:
@@ -176,7 +192,8 @@ def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any
 
     t0 = time.perf_counter()
     result = train(calib, work_dir / "calibration", resume=False, dataset_dir=dataset_dir,
-                   cache_dir=work_dir / "cache", on_metrics=on_metrics)  # fmt: skip
+                   cache_dir=work_dir / "cache", on_metrics=on_metrics, on_event=on_event)  # fmt: skip
+    vllm_eval_s = marks.get("eval_end", time.perf_counter()) - marks["eval"] if "eval" in marks else 0.0
     times = [t for t, _ in stamps]
     step_s = (times[-1] - times[0]) / max(1, len(times) - 1) if len(times) > 1 else times[0] - t0
     setup_s = max(0.0, times[0] - t0 - step_s)
@@ -196,7 +213,7 @@ def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any
         tokens += r.num_generated_tokens
     eval_s = time.perf_counter() - t0
     n = max(1, len(prompts) * len(spec.speculative_tokens))
-    return setup_s, step_s, tokens_per_step, eval_s / max(1, passes), tokens / n
+    return setup_s, step_s, tokens_per_step, eval_s / max(1, passes), tokens / n, vllm_eval_s
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -304,7 +321,9 @@ def _stage_estimates(
     # middle of its range [1, K + 1], so that no outcome is further than sqrt(K + 1)x from the estimate.
     tokens = rates.eval_tokens_per_prompt
     passes = sum(n_prompts * (1 + tokens / math.sqrt(k + 1)) for k in spec.speculative_tokens)
-    out["eval"] = evals * passes * rates.eval_s_per_pass
+    engines = resolve_engines(spec)
+    ours = passes * rates.eval_s_per_pass if engines.ours else 0.0
+    out["eval"] = evals * (ours + (rates.vllm_eval_s if engines.vllm else 0.0))
     return {k: round(v, 1) for k, v in out.items()}
 
 
