@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from _common import emit
 
-# ~10 minutes of training per run on an idle 2-core machine (measured: 0.95 s/step for this spec there).
+# About 10 minutes of training per run on an idle 2-core machine: 240 steps of this spec took 338 s (1.4 s/step)
+# at a load average of 3-8 on a shared 2-core machine; 630 assumes about 0.95 s/step idle (not measured).
 DEFAULT_STEPS = 630
 
 
