@@ -27,7 +27,7 @@ LayerType = Literal["llama", "qwen3"]
 class DrafterSettings(BaseModel):
     """What a job chooses about the drafter: its depth and the COD sampling (P-EAGLE's parameter table)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_layers: int = Field(default=4, ge=1, le=64)
     num_depths: int = Field(default=4, ge=1, le=32)

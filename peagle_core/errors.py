@@ -41,6 +41,12 @@ class CacheError(PeagleError):
     code = "cache_error"
 
 
+class TrainingDiverged(PeagleError):
+    """The loss stayed NaN or infinite for `training.max_nonfinite_steps` steps in a row."""
+
+    code = "diverged"
+
+
 class CheckpointError(PeagleError):
     """A checkpoint that fails validation; `problems` lists every reason."""
 

@@ -36,8 +36,9 @@ MAX_SEED = (1 << 63) - 1  # seeds travel as signed 64-bit integers (torch, numpy
 
 
 class _Strict(BaseModel):
-    # Unknown keys are errors: a typo in a spec must never be silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Unknown keys are errors: a typo in a spec must never be silently ignored. NaN and infinities are
+    # refused in every float field (`grad_clip: .inf` is a typo for "no clipping", which is `null`).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class VerifierSpec(_Strict):
@@ -156,6 +157,12 @@ class TrainingSpec(_Strict):
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     checkpoint_every_steps: int = Field(default=500, ge=1, le=MAX_STEPS)
     eval_every_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
+    max_nonfinite_steps: int = Field(
+        default=20,
+        ge=1,
+        le=100_000,
+        description="Fail with code `diverged` after this many consecutive steps whose loss is NaN or infinite.",
+    )
 
 
 class EvaluationSpec(_Strict):

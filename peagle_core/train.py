@@ -41,7 +41,7 @@ from peagle_core.checkpoint import (
     step_dir_name,
 )
 from peagle_core.data import PreparedDataset
-from peagle_core.errors import DataError
+from peagle_core.errors import DataError, TrainingDiverged
 from peagle_core.evaluate import evaluate
 from peagle_core.export import export_checkpoint
 from peagle_core.hidden_states import BatchLoader, HiddenStateSource
@@ -139,6 +139,7 @@ class Progress:
     checkpoint: Path | None = None  # the newest training checkpoint
     evaluation: dict[str, Any] | None = None  # the last evaluation's results
     stopped: bool = False
+    nonfinite_steps: int = 0  # consecutive steps whose loss or gradient norm was NaN/infinite
 
     @classmethod
     def resumed(cls, state: TrainingState | None) -> Progress:
@@ -203,11 +204,13 @@ def _train(run: Trainer, progress: Progress) -> TrainResult:
                 n_micro = min(tc.grad_accum, len(bins) - progress.batch_index)
                 metrics = train_step(run, batches, n_micro)
                 progress.advance(n_micro)
+                progress.nonfinite_steps = 0 if _finite(metrics) else progress.nonfinite_steps + 1
                 per_step = (time.monotonic() - started) / (progress.step - first_step)
                 eta_s = per_step * (run.total_steps - progress.step)
                 progress.metrics = {**metrics, "step": progress.step, "total_steps": run.total_steps,
                                     "epoch": progress.epoch, "eta_s": eta_s}  # fmt: skip
                 hooks.report(progress.metrics)
+                check_divergence(run, progress)
                 progress.stopped = hooks.stop_requested(run.device)
                 evaluation = maybe_evaluate(run, progress)
                 maybe_checkpoint(run, progress, evaluation, epoch_len=len(bins))
@@ -379,13 +382,17 @@ def train_step(run: Trainer, batches: Iterator[Any], n_micro: int) -> dict[str, 
             if p.grad is not None:
                 p.grad.mul_(tc.grad_accum / micro)
     if tc.grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
-    run.optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
+        sums["grad_norm"] = norm * micro  # _step_metrics averages over micro-batches
+    metrics = _step_metrics(sums, micro, run.info, run.device)
+    # A NaN/infinite loss or gradient would poison the weights and the optimizer's moments for good:
+    # such a step updates nothing (the schedule still advances); `check_divergence` ends a streak of them.
+    if _finite(metrics):
+        run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
 
-    metrics = _step_metrics(sums, micro, run.info, run.device)
     elapsed = time.monotonic() - started
     return {**metrics, "lr": lr, "tokens_per_s": tokens * run.info.world_size / max(elapsed, 1e-9)}
 
@@ -449,15 +456,38 @@ def report_vllm_figures(run: Trainer, step: int, results: dict[str, dict[str, An
             )
 
 
+def _finite(metrics: dict[str, Any]) -> bool:
+    return all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm") if k in metrics)
+
+
+def check_divergence(run: Trainer, progress: Progress) -> None:
+    """Fail with `diverged` after `training.max_nonfinite_steps` non-finite steps in a row (every rank sees
+    the same averaged loss, so all ranks raise together)."""
+    limit = run.spec.training.max_nonfinite_steps
+    if progress.nonfinite_steps < limit:
+        return
+    first = progress.step - progress.nonfinite_steps + 1
+    kept = progress.checkpoint.name if progress.checkpoint is not None else "none yet"
+    raise TrainingDiverged(
+        f"the loss was NaN or infinite for {progress.nonfinite_steps} steps in a row (steps {first}-"
+        f"{progress.step}); those steps changed no weights and the last good training checkpoint "
+        f"({kept}) is kept. Lower training.lr, set training.grad_clip, or check the data and verifier",
+        param="training.max_nonfinite_steps",
+    )
+
+
 def maybe_checkpoint(
     run: Trainer, progress: Progress, evaluation: dict[str, Any] | None, *, epoch_len: int
 ) -> None:
     """Save a training checkpoint every `checkpoint_every_steps`, at the last step and when stopping.
 
     Every rank's RNG state goes in, so a resumed run continues bit for bit; the data position points at
-    the next micro-batch (the next epoch's first when this one is done).
+    the next micro-batch (the next epoch's first when this one is done). Nothing is saved during a streak
+    of non-finite steps, so the newest checkpoint is always a good one.
     """
     step = progress.step
+    if progress.nonfinite_steps:
+        return
     if not (
         progress.stopped or step >= run.total_steps or step % run.spec.training.checkpoint_every_steps == 0
     ):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from redis import Redis
 from rq import Queue
 from rq.exceptions import DuplicateJobError, NoSuchJobError
@@ -85,3 +87,23 @@ def withdraw_plan(redis: Redis, queue_name: str, job: RQJob) -> None:
     # one a worker took meanwhile finishes, and its result expires on its own (result_ttl)
     if job.get_status(refresh=True) in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
         job.delete()
+
+
+def _alive_key(job_id: str, attempt: int) -> str:
+    # One key per attempt: a stale attempt that wakes up can only vouch for itself, never for the newer one.
+    return f"peagle:alive:{job_id}:{attempt}"
+
+
+def mark_alive(redis: Redis, job_id: str, attempt: int, ttl_s: float) -> None:
+    """Say in Redis that `attempt` of `job_id` is running, for `ttl_s` seconds.
+
+    A second liveness signal beside the database heartbeat: during a database outage the worker cannot
+    stamp `heartbeat_at`, but this key (expired by Redis's own clock, so immune to skew) keeps the
+    reconciler from taking a healthy job for a dead one.
+    """
+    redis.set(_alive_key(job_id, attempt), 1, ex=max(1, math.ceil(ttl_s)))
+
+
+def is_alive(redis: Redis, job_id: str, attempt: int) -> bool:
+    """Whether `attempt` of `job_id` marked itself alive within its TTL."""
+    return bool(redis.exists(_alive_key(job_id, attempt)))

@@ -101,6 +101,12 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(
         default=10.0, gt=0, description="How often a worker records that a running job is still alive."
     )
+    db_outage_tolerance_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="How long a worker keeps retrying database writes (training goes on, progress is "
+        "buffered) before it gives a job up.",
+    )
 
     metrics_token: SecretStr | None = Field(
         default=None,

@@ -1,8 +1,10 @@
 """The stop check and heartbeat of a running job: a background thread polls the job row.
 
 `should_stop()` is called by the trainer every step, so it only reads a flag; the thread behind it reads
-the job's status at most every `poll_s` and stamps `heartbeat_at` every `heartbeat_s`, which is how the
-reconciler tells a live job from one whose worker died.
+the job's status at most every `poll_s` and, every `heartbeat_s`, stamps `heartbeat_at` (database time)
+and refreshes the job's liveness key in Redis: how the reconciler tells a live job from one whose worker
+died. Every check and stamp is for the attempt this worker claimed (its fencing token): once the job is
+claimed again by someone else, this worker's job is `lost`.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import logging
 import signal
 import threading
 
+from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.crud.jobs import ACTIVE_STATUSES, heartbeat, holder
+from service.queue import mark_alive
 
 log = logging.getLogger(__name__)
 
@@ -22,29 +26,40 @@ log = logging.getLogger(__name__)
 PREEMPT_SIGNAL = signal.SIGUSR1
 
 
+def stale_after_s(heartbeat_s: float) -> float:
+    """How old a heartbeat may get before its worker is presumed dead (a few missed beats, plus slack
+    for a machine so busy that the monitor thread runs late); also the TTL of the Redis liveness key."""
+    return 3 * heartbeat_s + 5.0
+
+
 class JobMonitor:
-    """Watches one claimed job. `cancel_requested`: the user asked to stop; `lost`: the job is no longer
-    ours (the reconciler requeued or finished it), so this worker must stop without writing results."""
+    """Watches one claimed attempt of one job. `cancel_requested`: the user asked to stop; `lost`: the job
+    is no longer this attempt's (the reconciler requeued or finished it), so this worker must stop without
+    writing results (its writes are fenced anyway)."""
 
     def __init__(
         self,
         sessions: sessionmaker[Session],
         job_id: str,
-        worker_name: str,
+        attempt: int,
         *,
         poll_s: float = 0.5,
         heartbeat_s: float = 10.0,
+        redis: Redis | None = None,
     ):
         self.sessions = sessions
         self.job_id = job_id
-        self.worker_name = worker_name
+        self.attempt = attempt
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
+        self.redis = redis
         self.cancel_requested = threading.Event()
         self.lost = threading.Event()
         self.preempted = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"monitor-{job_id}", daemon=True)
+        # Its own thread: a database call stuck in its connect timeout must not delay the Redis beat.
+        self._alive_thread = threading.Thread(target=self._run_alive, name=f"alive-{job_id}", daemon=True)
 
     def should_stop(self) -> bool:
         return self.cancel_requested.is_set() or self.lost.is_set() or self.preempted.is_set()
@@ -59,35 +74,53 @@ class JobMonitor:
 
     def start(self) -> JobMonitor:
         self._thread.start()
+        if self.redis is not None:
+            self._alive_thread.start()
         return self
 
     def stop(self) -> None:
         self._done.set()
         self._thread.join(timeout=10)
+        if self._alive_thread.is_alive():
+            self._alive_thread.join(timeout=10)
 
     def check_now(self) -> None:
         """Read the job row once (also used before publishing, so a late cancel is never missed)."""
         with self.sessions() as session:
             row = holder(session, self.job_id)
-        if row is None or row.worker_name != self.worker_name or row.status not in ACTIVE_STATUSES:
+        if row is None or row.attempt != self.attempt or row.status not in ACTIVE_STATUSES:
             self.lost.set()
         elif row.status == "cancelling":
             self.cancel_requested.set()
 
     def beat(self) -> None:
+        """Stamp the row's heartbeat (database time) if this attempt still holds the job."""
         with self.sessions() as session:
-            heartbeat(session, self.job_id, self.worker_name)
+            ours = heartbeat(session, self.job_id, self.attempt)
             session.commit()
+        if not ours:
+            self.lost.set()
 
     def _run(self) -> None:
-        since_beat = 0.0
+        since_beat = self.heartbeat_s  # beat at once: the claim's stamp may already be a few seconds old
         while not self._done.wait(self.poll_s):
+            since_beat += self.poll_s
             try:
-                self.check_now()
-                since_beat += self.poll_s
                 if since_beat >= self.heartbeat_s:
-                    self.beat()
                     since_beat = 0.0
-            except Exception:
+                    self.beat()
+                self.check_now()
+            except Exception as exc:
                 # A database blip must not kill training; the next poll retries.
-                log.warning("job monitor for %s: database check failed", self.job_id, exc_info=True)
+                log.warning("job monitor for %s: database check failed: %s", self.job_id, exc)
+
+    def _run_alive(self) -> None:
+        assert self.redis is not None
+        ttl = stale_after_s(self.heartbeat_s)
+        while not self.lost.is_set():
+            try:
+                mark_alive(self.redis, self.job_id, self.attempt, ttl)
+            except Exception as exc:
+                log.warning("job %s: liveness key not refreshed: %s", self.job_id, exc)
+            if self._done.wait(self.heartbeat_s):
+                return

@@ -1,13 +1,12 @@
 """What a running job reports, shared by the single-process runner and the torchrun ranks.
 
 The trainer's stages, its result (`Outcome`), its events as job_events rows, the `{code, message}` of a
-failure, the one conversion of metrics to JSON, and the one logging format of worker processes.
+failure, and the one logging format of worker processes (metrics become JSON in `service.db.jsondata`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
 from service.crud.events import add_event
+from service.crud.jobs import hold
+from service.db.jsondata import json_safe
 from service.redact import redact_paths
 
 # The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
@@ -28,22 +29,6 @@ OnEvent = Callable[[str, str, dict[str, Any] | None], None]
 def setup_logging() -> None:
     """INFO and above to stderr, one line each: every worker process (pool, horse, rank) logs this way."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-def json_safe(value: Any) -> Any:
-    """`value` as plain JSON data: tensors and NumPy values become numbers or lists, NaN and infinities
-    become null (JSON has neither, and Postgres rejects them), anything else unknown becomes its str."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if hasattr(value, "tolist"):  # torch tensors and NumPy arrays or scalars, 0-d included
-        return json_safe(value.tolist())
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    return str(value)
 
 
 @dataclass
@@ -89,22 +74,30 @@ def error_for(exc: BaseException, *, stage: str) -> dict[str, Any]:
 def write_event(
     sessions: sessionmaker[Session],
     job_id: str,
+    attempt: int,
     type_: str,
     message: str,
     data: dict[str, Any] | None = None,
     *,
     level: str = "info",
-) -> None:
-    """Append one event to the job's log in its own transaction."""
+) -> bool:
+    """Append one event to the job's log in its own transaction, if `attempt` still holds the job
+    (a stale worker's events are dropped). Returns whether it was written."""
     with sessions() as session:
+        if not hold(session, job_id, attempt):
+            return False
         add_event(session, job_id, type_, message, level=level, data=data)
         session.commit()
+    return True
 
 
 def event_recorder(
-    sessions: sessionmaker[Session], job_id: str, *, on_stage: Callable[[str], None] | None = None
+    add: Callable[..., None],
+    *,
+    on_stage: Callable[[str], None] | None = None,
 ) -> OnEvent:
-    """The trainer's `on_event` callback for `job_id`.
+    """The trainer's `on_event` callback, handing each event to `add(type, message, data, level=)` (the progress
+    writer's queue, so a slow or absent database never stalls training).
 
     A stage transition becomes `type="stage"` with `data.stage` (and is passed to `on_stage`, e.g. the
     progress writer); any other kind becomes `type="log"` with `data.kind` (e.g. "epoch", whose data
@@ -117,8 +110,8 @@ def event_recorder(
         if kind in STAGES:
             if on_stage is not None:
                 on_stage(kind)
-            write_event(sessions, job_id, "stage", message, {"stage": kind, **data}, level=level)
+            add("stage", message, {"stage": kind, **data}, level=level)
         else:
-            write_event(sessions, job_id, "log", message, {"kind": kind, **data}, level=level)
+            add("log", message, {"kind": kind, **data}, level=level)
 
     return on_event

@@ -114,21 +114,23 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    sessions = session_factory(get_settings().database_url)
+    settings = get_settings()
+    sessions = session_factory(settings.database_url)
 
     with sessions() as session:
         spec = JobSpec.model_validate(find_job(session, args.job_id).spec)
     write_event(
         sessions,
         args.job_id,
+        args.attempt,
         "log",
         f"rank {rank} of {world_size} started",
         {"kind": "rank", "rank": rank, "world_size": world_size, "pid": os.getpid()},
     )
-    monitor = JobMonitor(sessions, args.job_id, args.worker_name, heartbeat_s=float("inf")).start()
+    monitor = JobMonitor(sessions, args.job_id, args.attempt, heartbeat_s=float("inf")).start()
     # Only rank 0 reports: one set of metric rows, progress and events per job.
     progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt).start() if rank == 0 else None
-    on_event = event_recorder(sessions, args.job_id, on_stage=progress.set_stage) if progress else None
+    on_event = event_recorder(progress.add_event, on_stage=progress.set_stage) if progress else None
 
     try:
         result = train(
@@ -148,7 +150,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if progress is not None:
-            progress.close()
+            progress.close(tolerance_s=settings.db_outage_tolerance_s)
         monitor.stop()
     if rank == 0:
         atomic_write_json(args.result, dataclasses.asdict(Outcome.from_train_result(result)))

@@ -15,10 +15,12 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.crud.events import add_event
 from service.crud.jobs import set_progress
 from service.crud.metrics import add_metrics
+from service.db.jsondata import json_safe
 from service.db.models import utcnow
-from worker.job_io import json_safe
+from service.db.retry import retry_transient
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +70,11 @@ class ProgressWriter:
         # Owned by the writer thread after start().
         self.progress: dict[str, Any] = {"stage": "starting", "step": 0, "total_steps": None, "eta_s": None}
         self._rows: list[dict[str, Any]] = []
+        self._events: list[tuple[Any, ...]] = []
         self._dirty = False
         self.flushes = 0
         self.rows_written = 0
+        self.lost = threading.Event()  # the job moved to a newer attempt: nothing more is written
 
     # -- training-thread side (cheap) ---------------------------------------------------------------
 
@@ -97,6 +101,13 @@ class ProgressWriter:
         """Merge `fields` into the job's progress (a stage's own counters, e.g. `regenerate`, `eta_s`)."""
         self._put(("fields", json_safe(fields)), urgent=False)
 
+    def add_event(
+        self, type_: str, message: str, data: dict[str, Any] | None = None, *, level: str = "info"
+    ) -> None:
+        """Queue one job event (the trainer's stage and log lines): written with the next batch, so a
+        database outage delays it instead of stalling training."""
+        self._put(("event", type_, message, data, utcnow(), level), urgent=True)
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until everything reported so far is written; re-raises the write's error."""
         if not self._thread.is_alive():
@@ -110,13 +121,20 @@ class ProgressWriter:
         if request.error is not None:
             raise request.error
 
-    def close(self) -> None:
-        """Write what is left and stop the thread. A failed final write is logged, not raised: it must not
-        mask the job's own outcome."""
+    def close(self, tolerance_s: float = 0.0) -> None:
+        """Write what is left and stop the thread; during a database outage keep retrying for up to
+        `tolerance_s`. A failed final write is logged, not raised: it must not mask the job's own outcome."""
         if not self._thread.is_alive():
             return
         self._put(_STOP, urgent=True)
         self._thread.join()
+        if self._rows or self._events or self._dirty:
+            try:
+                retry_transient(
+                    self._write, tolerance_s=tolerance_s, what=f"writing progress of {self.job_id}"
+                )
+            except Exception as exc:
+                log.error("progress of job %s could not be written: %s", self.job_id, exc)
 
     def _put(self, item: Any, *, urgent: bool) -> None:
         # Routine items do not wake the writer (it drains on its timer); only urgent ones do.
@@ -160,6 +178,8 @@ class ProgressWriter:
             elif item[0] == "fields":
                 self.progress.update(item[1])
                 self._dirty = True
+            elif item[0] == "event":
+                self._events.append(item[1:])
             else:
                 self._add_row(*item[1:])
 
@@ -186,15 +206,30 @@ class ProgressWriter:
 
     def _write(self) -> None:
         """Buffered rows and the current progress in one transaction."""
-        if not self._dirty and not self._rows:
+        if not self._dirty and not self._rows and not self._events:
             return
-        rows = list(self._rows)
+        rows, events = list(self._rows), list(self._events)
         with self.sessions() as session:
+            # The fenced progress update first: it locks the job row, so no newer attempt can start
+            # between it and the metric rows added in the same transaction.
+            if not set_progress(session, self.job_id, dict(self.progress), attempt=self.attempt):
+                session.rollback()
+                if not self.lost.is_set():
+                    log.warning(
+                        "job %s is no longer attempt %d's: progress dropped", self.job_id, self.attempt
+                    )
+                self.lost.set()
+                self._rows.clear()
+                self._events.clear()
+                self._dirty = False
+                return
             for row in rows:
                 add_metrics(session, self.job_id, row["step"], row["values"], created_at=row["created_at"])
-            set_progress(session, self.job_id, dict(self.progress))
+            for type_, message, data, created_at, level in events:
+                add_event(session, self.job_id, type_, message, data=data, created_at=created_at, level=level)
             session.commit()
         del self._rows[: len(rows)]
+        del self._events[: len(events)]
         self._dirty = False
         self.flushes += 1
         self.rows_written += len(rows)

@@ -1,7 +1,9 @@
 """Crash recovery: compare the jobs table (the truth) with RQ and worker heartbeats, and repair.
 
-- A running job whose worker died (RQ says its execution ended, or its heartbeat went stale) goes back to
-  `queued` and is re-enqueued; it resumes from its last checkpoint. After `max_attempts` starts it fails.
+- A running job whose worker died (no Redis liveness key for its attempt, and RQ says its execution ended
+  or its heartbeat went stale by the database's clock) goes back to `queued` and is re-enqueued; it
+  resumes from its last mirrored checkpoint. After `max_attempts` starts it fails. A false death (a
+  frozen worker that wakes up) is harmless: every write of the old attempt is fenced by its attempt number.
 - A `cancelling` job past the grace period is stopped hard (RQ stop-job command) and marked cancelled.
 - A queued job that Redis lost (restart, flush, failed enqueue) is enqueued again.
 - Housekeeping: expired idempotency keys are purged and, with `PEAGLE_RETENTION_DAYS`, finished jobs older
@@ -26,13 +28,15 @@ from rq.job import JobStatus
 from sqlalchemy.orm import Session
 
 from service.crud import jobstate
+from service.crud.clock import db_now
 from service.crud.events import add_event
 from service.crud.jobs import unfinished_jobs
-from service.db.models import Job, utcnow
+from service.db.models import Job
 from service.db.session import session_factory
 from service.lifecycle import housekeeping
-from service.queue import enqueue_run, redis_from_url, rq_status
+from service.queue import enqueue_run, is_alive, redis_from_url, rq_status
 from service.settings import Settings
+from worker.cancel import stale_after_s
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +60,16 @@ class ReconcileReport:
         )
 
 
-def stale_after_s(settings: Settings) -> float:
-    """How old a heartbeat may get before its worker is presumed dead (a few missed beats, plus slack
-    for a machine so busy that the monitor thread runs late)."""
-    return 3 * settings.worker_heartbeat_s + 5.0
-
-
 def _death_reason(job: Job, redis: Redis, now: datetime, stale_s: float) -> str | None:
+    """Why the worker of a running/cancelling job is presumed dead, or None while it is alive.
+
+    Alive: the attempt holding the job refreshed its Redis liveness key within `stale_s` (Redis's clock),
+    whatever RQ or the database heartbeat say, so a database outage never reads as death. Otherwise dead
+    when RQ says the execution ended, or when the database heartbeat is older than `stale_s` by the
+    database's own clock (`now`), so clock skew between machines never reads as death either.
+    """
+    if is_alive(redis, job.id, job.attempt):
+        return None
     status = rq_status(redis, job.id)
     if status in _ENDED:
         return f"its worker process ended without finishing the job (RQ status {status.value})"
@@ -81,9 +88,9 @@ def reconcile_once(
     redis = redis or redis_from_url(settings.redis_url)
     sessions = session_factory(settings.database_url)
     report = ReconcileReport()
-    now = utcnow()
-    stale_s = stale_after_s(settings)
+    stale_s = stale_after_s(settings.worker_heartbeat_s)
     with sessions() as session:
+        now = db_now(session)
         jobs = unfinished_jobs(session)
         session.expunge_all()
 
@@ -113,7 +120,14 @@ def _recover_dead(
             "message": f"the job was started {job.attempt} times and its worker died each time; last: {reason}",
         }
         if jobstate.transition(
-            session, job.id, "failed", expect=("running",), event=error["message"], level="error", error=error
+            session,
+            job.id,
+            "failed",
+            expect=("running",),
+            fence=job.attempt,
+            event=error["message"],
+            level="error",
+            error=error,
         ):
             report.failed.append(job.id)
         return
@@ -122,6 +136,7 @@ def _recover_dead(
         job.id,
         "queued",
         expect=("running",),
+        fence=job.attempt,
         event=f"requeued: {reason}; it resumes from its last checkpoint "
         f"(attempt {job.attempt} of {job.max_attempts} used)",
         event_data={"reason": reason, "attempt": job.attempt},
@@ -158,6 +173,7 @@ def _settle_cancel(
             job.id,
             "cancelled",
             expect=("cancelling",),
+            fence=job.attempt,
             event=f"cancelled: {reason} while stopping; its last saved checkpoint is kept",
         ):
             report.cancelled.append(job.id)

@@ -1,8 +1,10 @@
 """Run one job end to end: claim it, prepare data, make hidden states available, train, publish.
 
 The database is the source of truth. The claim is a conditional `queued -> running` update (two workers
-never run one job); every later write is conditional on the job still being ours, so a job the
-reconciler took back or a user cancelled is never overwritten with a stale result.
+never run one job) that hands out the attempt number, the run's fencing token; every later write (status,
+progress, metrics, events, resume point, publish) is conditional on the job still being on that attempt,
+so a job the reconciler took back or a user cancelled is never overwritten with a stale result. Each
+attempt trains in a scratch directory of its own and resumes from the checkpoint mirrored to the store.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,16 +26,20 @@ from peagle_core.serving_check import ServingCheck
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from service.crud import jobstate
-from service.crud.checkpoints import add_checkpoint
+from service.crud.checkpoints import add_checkpoint, find_checkpoint
 from service.crud.datasets import get_dataset
 from service.crud.events import add_event
 from service.crud.jobs import ACTIVE_STATUSES, find_job
+from service.db.jsondata import json_safe
 from service.db.models import Job, new_id
+from service.db.retry import retry_transient
 from service.db.session import session_factory
 from service.paths import check_spec_paths
+from service.queue import redis_from_url
 from service.settings import Settings
 from worker.cancel import JobMonitor
-from worker.job_io import Outcome, error_for, event_recorder, json_safe, write_event
+from worker.job_io import Outcome, error_for, event_recorder, write_event
+from worker.mirror import CheckpointMirror, restore
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 from worker.regen_stage import regenerated_source
@@ -39,17 +47,7 @@ from worker.trackers import JobTrackers
 
 log = logging.getLogger(__name__)
 
-
-def latest_checkpoint_step(out_dir: Path) -> int | None:
-    """The step of `out_dir/checkpoints/latest` (the trainer's resume point), or None."""
-    latest = out_dir / "checkpoints" / "latest"
-    if not latest.is_file():
-        return None
-    name = latest.read_text().strip()
-    try:
-        return int(name.rsplit("_", 1)[-1])
-    except ValueError:
-        return None
+T = TypeVar("T")
 
 
 class JobRunner:
@@ -63,6 +61,21 @@ class JobRunner:
         self.store = ArtifactStore(settings.artifact_root)
         self.stage = "claim"
         self.published_dir: Path | None = None  # the export `_publish` published (trackers upload it)
+        self.attempt = 0  # set by the claim
+
+    # -- database access: fenced by the attempt, retried through an outage ---------------------------
+
+    def _db(self, fn: Callable[[], T], what: str) -> T:
+        return retry_transient(fn, tolerance_s=self.settings.db_outage_tolerance_s, what=what)
+
+    def _move(self, to: str, **kwargs: Any) -> bool:
+        """`jobstate.transition` of this attempt (fenced), retried through a database outage."""
+
+        def move() -> bool:
+            with self.sessions() as session:
+                return jobstate.transition(session, self.job_id, to, fence=self.attempt, **kwargs)
+
+        return self._db(move, f"moving job {self.job_id} to {to}")
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -70,24 +83,37 @@ class JobRunner:
         job = self._claim()
         if job is None:
             return "skipped"
+        # The claim's attempt number is this run's fencing token: every write below is conditional on it.
+        self.attempt = job.attempt
         spec = JobSpec.model_validate(job.spec)
+        work_dir = self._work_dir()
         monitor = JobMonitor(
-            self.sessions, self.job_id, self.worker_name, heartbeat_s=self.settings.worker_heartbeat_s
+            self.sessions,
+            self.job_id,
+            self.attempt,
+            heartbeat_s=self.settings.worker_heartbeat_s,
+            redis=redis_from_url(self.settings.redis_url),
         ).start()
         monitor.stop_on_signal()
-        progress = ProgressWriter(self.sessions, self.job_id, attempt=job.attempt).start()
+        progress = ProgressWriter(self.sessions, self.job_id, attempt=self.attempt).start()
         trackers = JobTrackers(
-            self.settings, self.sessions, self.store, self.job_id, job.project_id, job.attempt, spec
+            self.settings, self.sessions, self.store, self.job_id, job.project_id, self.attempt, spec
         ).start()
+        mirror = CheckpointMirror(
+            self.store, self.sessions, self.job_id, self.attempt, work_dir, current_uri=job.resume_uri
+        )
         try:
             try:
-                outcome = self._execute(job, spec, monitor, progress)
+                outcome = self._execute(job, spec, monitor, progress, mirror, work_dir)
             finally:
-                # Every metric row lands before the job's final status is written.
-                progress.close()
-            monitor.check_now()
-            if monitor.lost.is_set():
-                log.warning("job %s is no longer ours; dropping its result", self.job_id)
+                # Every metric row and the newest checkpoint land before the job's final status is written.
+                progress.close(tolerance_s=self.settings.db_outage_tolerance_s)
+                mirror.close(tolerance_s=self.settings.db_outage_tolerance_s)
+            self._db(monitor.check_now, f"checking job {self.job_id}")
+            if monitor.lost.is_set() or mirror.lost.is_set() or progress.lost.is_set():
+                log.warning(
+                    "job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt
+                )
                 return "lost"
             if monitor.cancel_requested.is_set():
                 return self._finish_cancelled(outcome)
@@ -98,70 +124,69 @@ class JobRunner:
             return self._publish(job, spec, outcome)
         except Exception as exc:
             log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
-            with self.sessions() as session:
-                error = error_for(exc, stage=self.stage)
-                moved = jobstate.transition(
-                    session,
-                    self.job_id,
-                    "failed",
-                    expect=ACTIVE_STATUSES,
-                    event=f"failed during {self.stage}: {error['message']}",
-                    event_data={"error": error, "stage": self.stage},
-                    level="error",
-                    error=error,
-                )
+            error = error_for(exc, stage=self.stage)
+            moved = self._move(
+                "failed",
+                expect=ACTIVE_STATUSES,
+                event=f"failed during {self.stage}: {error['message']}",
+                event_data={"error": error, "stage": self.stage},
+                level="error",
+                error=error,
+            )
             return "failed" if moved else "lost"
         except BaseException:
-            # Interrupted (shutdown, Ctrl-C): hand the job back; the reconciler re-enqueues it.
-            with self.sessions() as session:
-                jobstate.transition(
-                    session,
-                    self.job_id,
-                    "queued",
-                    expect=ACTIVE_STATUSES,
-                    event="worker interrupted; job requeued",
+            # Interrupted (shutdown, Ctrl-C): hand a running job back, the reconciler re-enqueues it. A job
+            # whose cancel was requested ends cancelled: a cancel is never undone.
+            if not self._move("queued", expect=("running",), event="worker interrupted; job requeued"):
+                self._move(
+                    "cancelled",
+                    expect=("cancelling",),
+                    event="cancelled: the worker was interrupted while the job was stopping",
                 )
             raise
         finally:
             monitor.stop()
             trackers.finish(self.published_dir)
+            shutil.rmtree(work_dir, ignore_errors=True)  # the store holds the resume point
 
     def _claim(self) -> Job | None:
-        with self.sessions() as session:
-            claimed = jobstate.claim(session, self.job_id, self.worker_name)
-            job = find_job(session, self.job_id)
-            if job is None:
-                log.warning("job %s does not exist; skipping", self.job_id)
-                return None
-            if not claimed:
-                log.info("job %s is %s, not queued; skipping", self.job_id, job.status)
-                # In this session: on SQLite the failed claim's UPDATE holds the write lock until commit.
-                add_event(
-                    session,
-                    self.job_id,
-                    "log",
-                    f"worker {self.worker_name} skipped the job: it is {job.status}, not queued",
-                    data={"worker": self.worker_name, "status": job.status},
-                )
-                session.commit()
-                return None
-            session.refresh(job)
-            session.expunge(job)
-        log.info("job %s claimed by %s (attempt %d)", self.job_id, self.worker_name, job.attempt)
+        def claim() -> Job | None:
+            with self.sessions() as session:
+                claimed = jobstate.claim(session, self.job_id, self.worker_name)
+                job = find_job(session, self.job_id)
+                if job is None:
+                    log.warning("job %s does not exist; skipping", self.job_id)
+                    return None
+                if not claimed:
+                    log.info("job %s is %s, not queued; skipping", self.job_id, job.status)
+                    # In this session: on SQLite the failed claim's UPDATE holds the write lock until commit.
+                    add_event(
+                        session,
+                        self.job_id,
+                        "log",
+                        f"worker {self.worker_name} skipped the job: it is {job.status}, not queued",
+                        data={"worker": self.worker_name, "status": job.status},
+                    )
+                    session.commit()
+                    return None
+                session.refresh(job)
+                session.expunge(job)
+                return job
+
+        job = self._db(claim, f"claiming job {self.job_id}")
+        if job is not None:
+            log.info("job %s claimed by %s (attempt %d)", self.job_id, self.worker_name, job.attempt)
         return job
 
     def _requeue_preempted(self, outcome: Outcome) -> str:
         """The worker is shutting down: hand the job back; the reconciler re-enqueues it and the next
         attempt resumes from the checkpoint just saved."""
-        with self.sessions() as session:
-            moved = jobstate.transition(
-                session,
-                self.job_id,
-                "queued",
-                expect=("running",),
-                event=f"worker shutting down; checkpoint saved at step {outcome.step}, job requeued",
-                event_data={"step": outcome.step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
-            )
+        moved = self._move(
+            "queued",
+            expect=("running",),
+            event=f"worker shutting down; checkpoint saved at step {outcome.step}, job requeued",
+            event_data={"step": outcome.step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
+        )
         return "queued" if moved else "lost"
 
     def _finish_cancelled(self, outcome: Outcome) -> str:
@@ -171,15 +196,12 @@ class JobRunner:
             if outcome.checkpoint_dir
             else f"cancelled at step {step} before any checkpoint"
         )
-        with self.sessions() as session:
-            moved = jobstate.transition(
-                session,
-                self.job_id,
-                "cancelled",
-                expect=("cancelling",),
-                event=message,
-                event_data={"step": step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
-            )
+        moved = self._move(
+            "cancelled",
+            expect=("cancelling",),
+            event=message,
+            event_data={"step": step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
+        )
         return "cancelled" if moved else "lost"
 
     # -- stages ------------------------------------------------------------------------------------
@@ -190,19 +212,29 @@ class JobRunner:
         progress.set_stage(stage)
 
     def _work_dir(self) -> Path:
-        key = f"jobs/{self.job_id}/work"
-        local = self.store.local_path(key)
-        # A remote store keeps the out_dir on this machine's disk (resume then needs the same machine).
-        return local if local is not None else Path(self.settings.data_dir) / "scratch" / self.job_id / "work"
+        """This attempt's own scratch directory (earlier attempts' are removed): two attempts of one job
+        never share a directory, and a resume starts from the store's mirrored checkpoint."""
+        job_dir = Path(self.settings.data_dir) / "scratch" / "jobs" / self.job_id
+        for old in job_dir.glob("attempt-*"):
+            if old.name != f"attempt-{self.attempt}":
+                shutil.rmtree(old, ignore_errors=True)
+        return job_dir / f"attempt-{self.attempt}"
 
-    def _execute(self, job: Job, spec: JobSpec, monitor: JobMonitor, progress: ProgressWriter) -> Outcome:
+    def _execute(
+        self,
+        job: Job,
+        spec: JobSpec,
+        monitor: JobMonitor,
+        progress: ProgressWriter,
+        mirror: CheckpointMirror,
+        out_dir: Path,
+    ) -> Outcome:
         self.stage = "prepare"
         _check_verifier_path(spec)
         # The operator may have narrowed the roots (or trust_remote_code) since the API accepted the job.
         spec = check_spec_paths(spec, self.settings, prefix="", project_id=job.project_id)
         if spec.resources.gpus > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
-        out_dir = self._work_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
 
         data_path, source_sha = self._dataset_source(job, spec, out_dir)
@@ -230,7 +262,8 @@ class JobRunner:
         # The trainer builds a missing offline cache itself and reports it as its `hidden_states` stage.
         cache_dir = self._cache_dir(spec, dataset_dir, job.project_id)
 
-        resume_step = latest_checkpoint_step(out_dir)
+        resume_step = restore(self.store, job.resume_uri, out_dir)
+        mirror.start()
         if resume_step is not None:
             self._event(
                 "log", f"resuming from checkpoint at step {resume_step}", {"resume_step": resume_step}
@@ -259,7 +292,7 @@ class JobRunner:
             out_dir,
             on_metrics=progress.on_metrics,
             should_stop=monitor.should_stop,
-            on_event=event_recorder(self.sessions, self.job_id, on_stage=on_stage),
+            on_event=event_recorder(progress.add_event, on_stage=on_stage),
             resume=True,
             dataset_dir=dataset_dir,
             cache_dir=cache_dir,
@@ -267,7 +300,10 @@ class JobRunner:
         return Outcome.from_train_result(result)
 
     def _event(self, type_: str, message: str, data: dict[str, Any] | None = None) -> None:
-        write_event(self.sessions, self.job_id, type_, message, data)
+        self._db(
+            lambda: write_event(self.sessions, self.job_id, self.attempt, type_, message, data),
+            f"writing an event of job {self.job_id}",
+        )
 
     def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
         """The JSONL to prepare from and its sha256 (the reuse key's data part)."""
@@ -276,8 +312,12 @@ class JobRunner:
             if not path.is_file():
                 raise DataError(f"dataset.path {path} does not exist on the worker", param="dataset.path")
             return path, sha256_file(path)
-        with self.sessions() as session:
-            ds = get_dataset(session, job.project_id, spec.dataset.id)
+
+        def dataset() -> Any:
+            with self.sessions() as session:
+                return get_dataset(session, job.project_id, spec.dataset.id)
+
+        ds = self._db(dataset, f"reading dataset {spec.dataset.id}")
         if ds is None:
             raise DataError(f"dataset {spec.dataset.id} was not found (deleted?)", param="dataset.id")
         local = self.store.local_path(ds.uri)
@@ -360,34 +400,42 @@ class JobRunner:
         if eval_json.is_file():
             metrics.setdefault("eval", json.loads(eval_json.read_text()))
         check = ServingCheck.load(export_dir)
-        with self.sessions() as session:
-            add_checkpoint(
-                session,
-                checkpoint_id=ckpt_id,
-                job_id=self.job_id,
-                project_id=job.project_id,
-                step=outcome.step,
-                uri=key,
-                files=files,
-                metrics=json_safe(metrics),
-                servable=check.status if check is not None else "unverified",
-            )
-            moved = jobstate.transition(
-                session,
-                self.job_id,
-                "succeeded",
-                expect=ACTIVE_STATUSES,
-                event=f"succeeded at step {outcome.step}; checkpoint {ckpt_id} published",
-                event_data={"checkpoint_id": ckpt_id, "step": outcome.step},
-                commit=False,
-                progress={"stage": "done", "step": outcome.step, "total_steps": outcome.step, "eta_s": 0},
-            )
-            if not moved:
-                # Someone else finished the job meanwhile: no row may point at our copy.
-                session.rollback()
-                self.store.delete(key)
-                return "lost"
-            session.commit()
+
+        def commit() -> bool:
+            with self.sessions() as session:
+                add_checkpoint(
+                    session,
+                    checkpoint_id=ckpt_id,
+                    job_id=self.job_id,
+                    project_id=job.project_id,
+                    step=outcome.step,
+                    uri=key,
+                    files=files,
+                    metrics=json_safe(metrics),
+                    servable=check.status if check is not None else "unverified",
+                )
+                moved = jobstate.transition(
+                    session,
+                    self.job_id,
+                    "succeeded",
+                    expect=ACTIVE_STATUSES,
+                    fence=self.attempt,
+                    event=f"succeeded at step {outcome.step}; checkpoint {ckpt_id} published",
+                    event_data={"checkpoint_id": ckpt_id, "step": outcome.step},
+                    commit=False,
+                    progress={"stage": "done", "step": outcome.step, "total_steps": outcome.step, "eta_s": 0},
+                )
+                if not moved:
+                    session.rollback()
+                    # A retry after a commit whose answer the outage swallowed finds its own row.
+                    return find_checkpoint(session, ckpt_id) is not None
+                session.commit()
+                return True
+
+        if not self._db(commit, f"publishing checkpoint {ckpt_id}"):
+            # Someone else finished the job meanwhile: no row may point at our copy.
+            self.store.delete(key)
+            return "lost"
         self.published_dir = export_dir
         return "succeeded"
 

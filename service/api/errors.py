@@ -139,6 +139,9 @@ async def _peagle_error(_: Request, exc: PeagleError) -> JSONResponse:
     return error_response(422, exc.message, code=exc.code, param=exc.param)
 
 
+DB_RETRY_AFTER_S = 5
+
+
 async def _db_error(request: Request, exc: Exception) -> JSONResponse:
     # Connection-level failures (server down, pool exhausted) are an outage; anything else is our bug.
     outage = isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or getattr(
@@ -147,7 +150,13 @@ async def _db_error(request: Request, exc: Exception) -> JSONResponse:
     if not outage:
         return await _unhandled(request, exc)
     log.warning("database unavailable: %s", exc.__class__.__name__)
-    return error_response(503, "the database is unavailable; retry later", code="database_unavailable")
+    # Retry-After: clients (the SDK, load balancers) back off instead of hammering a recovering database.
+    return error_response(
+        503,
+        "the database is unavailable; retry later",
+        code="database_unavailable",
+        headers={"Retry-After": str(DB_RETRY_AFTER_S)},
+    )
 
 
 async def _redis_down(_: Request, exc: Exception) -> JSONResponse:

@@ -54,6 +54,11 @@ def delete_checkpoint(session: Session, checkpoint_id: str) -> None:
     session.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint_id))
 
 
+def find_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint | None:
+    """The checkpoint in any project (for the worker, which publishes by id)."""
+    return session.get(Checkpoint, checkpoint_id)
+
+
 def list_for_job(session: Session, job_id: str) -> list[Checkpoint]:
     return list(
         session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -19,12 +20,14 @@ def add_event(
     *,
     level: str = "info",
     data: dict[str, Any] | None = None,
+    created_at: datetime | None = None,
 ) -> JobEvent:
     """Add an event to the session (the caller commits). Server paths in its text are redacted: the
-    project reads its events, the machine's directory layout is not its business."""
+    project reads its events, the machine's directory layout is not its business. `created_at` defaults
+    to now; a worker that buffered the event passes the time it happened."""
     event = JobEvent(
         job_id=job_id,
-        created_at=utcnow(),
+        created_at=created_at or utcnow(),
         level=level,
         type=type,
         message=redact_paths(message),

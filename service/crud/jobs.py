@@ -1,4 +1,5 @@
-"""Job rows: create (with its first status event), the worker's progress and heartbeat columns, and reads.
+"""Job rows: create (with its first status event), the worker's fenced writes (progress, heartbeat, resume
+point), and reads.
 
 Status changes are not here: they go through `service.crud.jobstate.transition`, the status machine.
 """
@@ -11,6 +12,7 @@ from typing import Any
 from sqlalchemy import Row, delete, func, select, update
 from sqlalchemy.orm import Session
 
+from service.crud.clock import db_now_sql
 from service.crud.events import add_event
 from service.crud.pagination import newest_first_page
 from service.db.models import TERMINAL_STATUSES, Job, utcnow
@@ -45,23 +47,55 @@ def record_enqueued(job: Job) -> None:
     job.rq_job_id = job.id
 
 
-def set_progress(session: Session, job_id: str, progress: dict[str, Any]) -> None:
-    """Replace the job's progress (stage, step, total_steps, eta_s); the caller commits."""
-    session.execute(
-        update(Job)
-        .where(Job.id == job_id)
-        .values(progress=progress, updated_at=utcnow())
-        .execution_options(synchronize_session=False)
-    )
+def _fenced(job_id: str, attempt: int) -> tuple[Any, ...]:
+    # A worker's writes hold only while the job is active and still on the attempt it claimed.
+    return (Job.id == job_id, Job.attempt == attempt, Job.status.in_(ACTIVE_STATUSES))
 
 
-def heartbeat(session: Session, job_id: str, worker_name: str) -> bool:
-    """Stamp `heartbeat_at` if `worker_name` still holds the job (the caller commits); False when the
-    job is no longer its own."""
+def hold(session: Session, job_id: str, attempt: int) -> bool:
+    """Fence the rows a worker is about to insert (metrics, events) in this transaction: lock the job row
+    if `attempt` still holds it. A claim that would take the job waits for this transaction, so nothing
+    the caller adds before committing can land after a newer attempt started. False: not ours any more."""
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.worker_name == worker_name, Job.status.in_(ACTIVE_STATUSES))
-        .values(heartbeat_at=utcnow())
+        .where(*_fenced(job_id, attempt))
+        .values(updated_at=db_now_sql(session))
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def set_progress(session: Session, job_id: str, progress: dict[str, Any], *, attempt: int) -> bool:
+    """Replace the job's progress (stage, step, total_steps, eta_s) if `attempt` still holds it, which
+    also fences the caller's inserts as `hold` does (the caller commits). False: not ours any more."""
+    result = session.execute(
+        update(Job)
+        .where(*_fenced(job_id, attempt))
+        .values(progress=progress, updated_at=db_now_sql(session))
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def heartbeat(session: Session, job_id: str, attempt: int) -> bool:
+    """Stamp `heartbeat_at` with the database's clock if `attempt` still holds the job (the caller
+    commits); False when the job is no longer its own."""
+    result = session.execute(
+        update(Job)
+        .where(*_fenced(job_id, attempt))
+        .values(heartbeat_at=db_now_sql(session))
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
+def set_resume_point(session: Session, job_id: str, attempt: int, uri: str, step: int) -> bool:
+    """Record the newest training checkpoint mirrored to the artifact store (the caller commits). Only
+    the attempt holding the job may move it, so a stale worker can never point a resume at its files."""
+    result = session.execute(
+        update(Job)
+        .where(*_fenced(job_id, attempt))
+        .values(resume_uri=uri, resume_step=step, updated_at=db_now_sql(session))
         .execution_options(synchronize_session=False)
     )
     return result.rowcount == 1
@@ -77,9 +111,9 @@ def find_job(session: Session, job_id: str) -> Job | None:
     return session.get(Job, job_id)
 
 
-def holder(session: Session, job_id: str) -> Row[tuple[str, str | None]] | None:
-    """(status, worker_name) of the job, read fresh: how a worker checks the job is still its own."""
-    return session.execute(select(Job.status, Job.worker_name).where(Job.id == job_id)).one_or_none()
+def holder(session: Session, job_id: str) -> Row[tuple[str, int]] | None:
+    """(status, attempt) of the job, read fresh: how a worker checks the job is still its own."""
+    return session.execute(select(Job.status, Job.attempt).where(Job.id == job_id)).one_or_none()
 
 
 def unfinished_jobs(session: Session) -> list[Job]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import ColumnElement, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
+from service.crud.clock import db_now_sql
 from service.crud.events import add_event
-from service.db.models import JOB_STATUSES, TERMINAL_STATUSES, Job, utcnow
+from service.db.models import JOB_STATUSES, TERMINAL_STATUSES, Job
 
 # from-status -> statuses it may move to.
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -23,9 +24,9 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "queued": frozenset({"running", "cancelled", "failed"}),
     # running -> queued: the worker died or was interrupted; the job resumes from its last checkpoint.
     "running": frozenset({"succeeded", "failed", "cancelling", "queued"}),
-    # cancelling -> succeeded: training finished before the cancel was seen; -> queued: the worker died
-    # mid-cancel and the reconciler hands the job back (the next claim sees cancel_requested_at and stops).
-    "cancelling": frozenset({"cancelled", "failed", "succeeded", "queued"}),
+    # cancelling -> succeeded: training finished before the cancel was seen. Never -> queued: a cancel
+    # cannot be undone, so a worker that dies or is interrupted mid-cancel ends the job `cancelled`.
+    "cancelling": frozenset({"cancelled", "failed", "succeeded"}),
     "succeeded": frozenset(),
     "failed": frozenset(),
     "cancelled": frozenset(),
@@ -65,6 +66,8 @@ def transition(
     event_data: dict[str, Any] | None = None,
     level: str = "info",
     commit: bool = True,
+    fence: int | None = None,
+    where: Iterable[ColumnElement[bool]] = (),
     **fields: Any,
 ) -> bool:
     """Move `job_id` to status `to` if it is currently in one of `expect`; return whether it moved.
@@ -74,6 +77,10 @@ def transition(
     `attempt=Job.attempt + 1`). The entry timestamp for `to` is set unless given. On success a `status`
     event (message `event`, data `event_data`) is added in the same transaction, which is committed
     unless `commit=False`. A False return means another process changed the job first: nothing is written.
+
+    `fence` is the caller's attempt number (its claim's fencing token): the move only happens while the
+    job's `attempt` still equals it, so a worker whose job was taken from it (and claimed again) can
+    change nothing. `where` adds further conditions.
     """
     if to not in JOB_STATUSES:
         raise IllegalTransition(f"unknown job status {to!r}")
@@ -84,15 +91,15 @@ def transition(
         raise IllegalTransition(f"a job cannot go from {sorted(bad)} to {to!r}")
     if not expected:
         return False
-    now = utcnow()
+    now = db_now_sql(session)
     stamp = _STAMPS[to]
     values: dict[str, Any] = {"status": to, "updated_at": now, **fields}
     values.setdefault(stamp, now)
+    conditions = [Job.id == job_id, Job.status.in_(sorted(expected)), *where]
+    if fence is not None:
+        conditions.append(Job.attempt == fence)
     result = session.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status.in_(sorted(expected)))
-        .values(**values)
-        .execution_options(synchronize_session=False)
+        update(Job).where(*conditions).values(**values).execution_options(synchronize_session=False)
     )
     if result.rowcount != 1:
         return False
@@ -117,16 +124,28 @@ def transition(
 
 def claim(session: Session, job_id: str, worker_name: str) -> bool:
     """`queued -> running` for `worker_name`: the one place `attempt` grows (it counts claims, so a
-    reconciler handing a job back never spends an attempt). False: the job was not queued."""
-    return transition(
+    reconciler handing a job back never spends an attempt; the new value is the claim's fencing token).
+    False: the job was not queued. A queued job with a cancel request is never started: it is cancelled."""
+    if transition(
         session,
         job_id,
         "running",
         expect=("queued",),
+        where=[Job.cancel_requested_at.is_(None)],
         event=f"running on {worker_name}",
         event_data={"worker": worker_name},
         attempt=Job.attempt + 1,
         worker_name=worker_name,
-        heartbeat_at=utcnow(),
+        heartbeat_at=db_now_sql(session),
         error=None,
+    ):
+        return True
+    transition(
+        session,
+        job_id,
+        "cancelled",
+        expect=("queued",),
+        where=[Job.cancel_requested_at.is_not(None)],
+        event=f"cancelled: worker {worker_name} found a cancel request and did not start it",
     )
+    return False

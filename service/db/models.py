@@ -22,6 +22,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from service.db.jsondata import json_safe
+
 # Deterministic constraint names so Alembic batch mode (SQLite) can alter tables.
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -34,8 +36,22 @@ NAMING_CONVENTION = {
 JOB_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
-# JSONB on Postgres (indexable, compact), plain JSON elsewhere.
-JSONType = JSON().with_variant(JSONB(), "postgresql")
+
+class SafeJSON(TypeDecorator[Any]):
+    """JSONB on Postgres (indexable, compact), plain JSON elsewhere; every value written goes through
+    `json_safe` first, so NaN and infinities (a diverged loss) are stored as null and never rejected."""
+
+    impl = JSON
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Any) -> Any:
+        return dialect.type_descriptor(JSONB() if dialect.name == "postgresql" else JSON())
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        return json_safe(value)
+
+
+JSONType = SafeJSON()
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -134,6 +150,10 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    resume_uri: Mapped[str | None] = mapped_column(
+        Text, nullable=True, doc="Artifact key of the newest mirrored training checkpoint (the resume point)."
+    )
+    resume_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
 
 

@@ -104,3 +104,12 @@ def test_layer_ids_resolve_ascending_and_export_defaults_to_bf16() -> None:
     assert spec.verifier.layer_ids == [2, 8, 13]
     assert spec.export.dtype == "bf16"
     assert parse_spec({**BASE, "export": {"dtype": "fp32"}}).export.dtype == "fp32"
+
+
+def test_yaml_infinity_is_refused_naming_the_field(tmp_path) -> None:
+    path = tmp_path / "spec.yaml"
+    path.write_text("verifier: {name_or_path: v}\ndataset: {path: d.jsonl}\ntraining: {grad_clip: .inf}\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert err.value.param == "training.grad_clip"
+    assert "finite" in err.value.message

@@ -245,3 +245,51 @@ def test_layer_ids_given_in_any_order_train_in_layer_order(spec_for, prepared_da
     # Hidden-state capture, the cache fingerprint and the exported config all see one order.
     assert verifier.layer_ids == model.config.aux_layer_ids == [1, 2, 3]
     assert list(CacheFingerprint.of(verifier, dataset).layer_ids) == [1, 2, 3]
+
+
+def _nan_verifier(src: Path, dest: Path) -> Path:
+    """A copy of the toy verifier whose input embeddings are NaN: every hidden state, so every loss, is NaN."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dest)
+    weights = load_file(str(dest / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_nonfinite_losses_fail_as_diverged_and_keep_the_last_good_checkpoint(
+    spec_for, prepared_dataset: Path, toy_verifier_dir: Path, tmp_path: Path
+) -> None:
+    from peagle_core.errors import TrainingDiverged
+
+    run = tmp_path / "run"
+    good = spec_for(max_steps=2, checkpoint_every_steps=2, eval_every_steps=None)
+    good.evaluation.prompts = 1
+    train(good, run, dataset_dir=prepared_dataset)
+    kept = latest_checkpoint(run / "checkpoints")
+    assert kept is not None and kept.name == "step_00000002"
+    good_weights = load_file(str(kept / "model.safetensors"))
+
+    # The same run continues against a verifier that went bad: every step from 3 on is NaN.
+    bad = good.model_copy(deep=True)
+    bad.verifier.name_or_path = str(_nan_verifier(toy_verifier_dir, tmp_path / "nan-verifier"))
+    bad.training.max_steps = 10
+    bad.training.checkpoint_every_steps = 1
+    bad.training.max_nonfinite_steps = 3
+    metrics: list[dict] = []
+    with pytest.raises(TrainingDiverged) as err:
+        train(bad, run, dataset_dir=prepared_dataset, on_metrics=metrics.append)
+    assert err.value.code == "diverged"
+    assert err.value.param == "training.max_nonfinite_steps"
+    assert "steps 3-5" in err.value.message and "step_00000002" in err.value.message
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 3 and not any(torch.isfinite(torch.tensor(losses)))
+
+    # No checkpoint was written during the streak; the last good one is intact.
+    assert latest_checkpoint(run / "checkpoints") == kept
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_00000002"
+    assert_same_weights(load_file(str(kept / "model.safetensors")), good_weights)

@@ -3,7 +3,6 @@ filesystem, and S3 through s3fs against a local moto server)."""
 
 from __future__ import annotations
 
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from peagle_core.io import sha256_file
 from service.artifacts import ArtifactError, ArtifactStore, ArtifactTooLarge, manifest_sha256
+from tests.fixtures.servers import free_port
 
 
 @pytest.fixture(scope="session")
@@ -20,9 +20,7 @@ def s3_options() -> Iterator[dict[str, Any]]:
     """fsspec storage options for a moto S3 server on a free local port (the `[dev]` extras)."""
     pytest.importorskip("s3fs", reason="the s3 store test needs the [dev] extras (s3fs)")
     moto_server = pytest.importorskip("moto.server", reason="the s3 store test needs moto[server]")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

@@ -83,3 +83,11 @@ def test_sdk_refuses_file_names_escaping_out(client, auth, spec, db_url, tmp_pat
     assert not out.exists() or list(out.iterdir()) == []  # nothing written, not even the safe file
     assert not (tmp_path / "escape.txt").exists()
     assert not Path("/tmp/abs.txt").exists()
+
+
+def test_redaction_is_idempotent() -> None:
+    from service.redact import redact_paths
+
+    once = redact_paths("verifier.name_or_path: '/srv/models/x/test-seed0' is outside s3://b/k, 3/10")
+    assert once == "verifier.name_or_path: '<server>/test-seed0' is outside s3://b/k, 3/10"
+    assert redact_paths(once) == once  # an error redacted where raised is stored unchanged

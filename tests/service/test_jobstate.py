@@ -44,6 +44,8 @@ def test_full_lifecycle_stamps_and_events(db_url: str, job_id: str) -> None:
         ((), "cancelling"),
         (("running", "succeeded"), "running"),
         (("cancelled",), "queued"),
+        # A cancel is never undone: no path leads from cancelling back to queued.
+        (("running", "cancelling"), "queued"),
     ],
 )
 def test_illegal_transitions_are_refused(db_url: str, job_id: str, path: tuple[str, ...], to: str) -> None:
@@ -91,3 +93,16 @@ def test_concurrent_claims_have_exactly_one_winner(db_url: str, job_id: str) -> 
     with factory() as s:
         events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "status")).all()
         assert [e.data["status"] for e in events].count("running") == 1
+
+
+def test_claim_never_starts_a_job_with_a_cancel_request(db_url: str, job_id: str) -> None:
+    from service.db.models import utcnow
+
+    with session_factory(db_url)() as s:
+        # A row left queued with a cancel request (e.g. by an older worker that requeued it mid-cancel).
+        s.get(Job, job_id).cancel_requested_at = utcnow()
+        s.commit()
+        assert not jobstate.claim(s, job_id, "w1")
+        s.expire_all()
+        job = s.get(Job, job_id)
+        assert (job.status, job.attempt) == ("cancelled", 0)

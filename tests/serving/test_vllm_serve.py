@@ -3,27 +3,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from peagle_core.export import serve_command
+from tests.fixtures.servers import free_port, wait_until_healthy
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _printed_args(command: str) -> list[str]:
@@ -38,7 +30,7 @@ def _printed_args(command: str) -> list[str]:
 def vllm_server(exported_drafters, toy_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     drafter = exported_drafters["draft-vocab-1-layer"]
     command = serve_command(str(toy_verifier_dir), drafter, 3, as_module=True)
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     # The printed command, plus what this 2-core CPU needs: a port, fp32 and a short context.
@@ -53,18 +45,7 @@ def vllm_server(exported_drafters, toy_verifier_dir: Path, tmp_path_factory: pyt
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM's server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM's server did not become healthy:\n{log.read_text()[-4000:]}")
-            _wait_a_moment(proc)
+        wait_until_healthy(f"{url}/health", proc, log, timeout_s=600)
         yield url, command
     finally:
         proc.terminate()
@@ -73,12 +54,6 @@ def vllm_server(exported_drafters, toy_verifier_dir: Path, tmp_path_factory: pyt
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _wait_a_moment(proc: subprocess.Popen[bytes]) -> None:
-    # Block on the process itself for up to a second between health probes: returns early if it dies.
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=1)
 
 
 def test_the_printed_serve_command_answers_with_the_verifier_greedy_answer(

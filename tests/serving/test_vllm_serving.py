@@ -60,6 +60,18 @@ def test_acceptance_length_agrees_with_vllm(
         assert abs(a - b) <= 0.05
 
 
+def _check(engine, verifier: Path, checkpoint: Path, prompts, reference, k: int) -> ServingCheck:
+    return check_in_vllm(
+        engine,
+        verifier=str(verifier),
+        checkpoint_dir=checkpoint,
+        prompts=prompts,
+        k=k,
+        max_new_tokens=SERVING_NEW_TOKENS,
+        reference=reference,
+    )
+
+
 def _with_full_vocab_map(src: Path, dst: Path) -> Path:
     """The checkpoint as our export wrote it before the fix: d2t/t2d beside a full draft vocabulary."""
     shutil.copytree(src, dst)
@@ -79,15 +91,7 @@ def test_the_gate_refuses_a_checkpoint_vllm_refuses_and_publishes_nothing(
 
     bad = _with_full_vocab_map(exported_drafters["full-vocab-4-layers"], tmp_path / "bad")
     with pytest.raises(NotServableError) as err:
-        check_in_vllm(
-            vllm_engine,
-            verifier=str(toy_verifier_dir),
-            checkpoint_dir=bad,
-            prompts=serving_prompts,
-            k=2,
-            max_new_tokens=SERVING_NEW_TOKENS,
-            reference=plain_greedy,
-        )
+        _check(vllm_engine, toy_verifier_dir, bad, serving_prompts, plain_greedy, k=2)
     assert err.value.code == "export_not_servable"
     assert "draft_id_to_target_id" in str(err.value)  # vLLM's own words
 
@@ -96,14 +100,8 @@ def test_the_gate_refuses_a_checkpoint_vllm_refuses_and_publishes_nothing(
 
     def gate(tmp: Path) -> ServingCheck:
         _with_full_vocab_map(tmp, tmp_path / "tampered")
-        return check_in_vllm(
-            vllm_engine,
-            verifier=str(toy_verifier_dir),
-            checkpoint_dir=tmp_path / "tampered",
-            prompts=serving_prompts,
-            k=2,
-            max_new_tokens=SERVING_NEW_TOKENS,
-            reference=plain_greedy,
+        return _check(
+            vllm_engine, toy_verifier_dir, tmp_path / "tampered", serving_prompts, plain_greedy, k=2
         )
 
     out = tmp_path / "published"
@@ -121,15 +119,7 @@ def test_a_verified_export_records_the_check_beside_the_weights(
     model = PEagleDraftModel.from_pretrained(exported_drafters["draft-vocab-1-layer"])
 
     def gate(tmp: Path) -> ServingCheck:
-        return check_in_vllm(
-            vllm_engine,
-            verifier=str(toy_verifier_dir),
-            checkpoint_dir=tmp,
-            prompts=serving_prompts,
-            k=3,
-            max_new_tokens=SERVING_NEW_TOKENS,
-            reference=plain_greedy,
-        )
+        return _check(vllm_engine, toy_verifier_dir, tmp, serving_prompts, plain_greedy, k=3)
 
     out = export_checkpoint(model, tmp_path / "ok", verifier_name_or_path=str(toy_verifier_dir), serving=gate)
     check = ServingCheck.load(out)

@@ -180,6 +180,8 @@ def stack(
     # Workers and the reconciler act on every job in the database: give each test a database of its own.
     # The worker re-checks server paths, so the session's tmp tree (toy verifier, corpus) is an allowed root.
     roots = [tmp_path_factory.getbasetemp()]
+    if os.environ.get("PEAGLE_CACHE_DIR"):  # the toy verifier is cached there instead (tests/fixtures/toy.py)
+        roots.append(Path(os.environ["PEAGLE_CACHE_DIR"]))
     settings = make_settings(
         database_url=isolated_db_url,
         worker_heartbeat_s=1.0,

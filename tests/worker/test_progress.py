@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from service.crud import jobstate
 from service.db.models import Job, JobMetric
 from service.db.session import session_factory
 from worker.progress import ProgressWriter
@@ -48,6 +49,7 @@ def job(settings: Any) -> Iterator[tuple[Any, str]]:
         spec = {"verifier": {"name_or_path": "/nowhere"}, "dataset": {"path": "/nowhere.jsonl"}}
         job_id = create_job(s, project.id, spec, max_attempts=1).id
         s.commit()
+        assert jobstate.claim(s, job_id, "w1")  # attempt 1 holds the job: its writes are accepted
     yield sessions, job_id
 
 
@@ -71,7 +73,7 @@ def step(n: int, **extra: Any) -> dict[str, Any]:
 def test_writes_happen_off_the_training_thread_in_few_transactions(job) -> None:
     sessions, job_id = job
     recording = RecordingSessions(sessions)
-    writer = ProgressWriter(recording, job_id, attempt=2, min_interval_s=3600).start()
+    writer = ProgressWriter(recording, job_id, attempt=1, min_interval_s=3600).start()
     writer.set_stage("train")
     for n in range(1, 101):
         writer.on_metrics(step(n))
@@ -93,7 +95,7 @@ def test_writes_happen_off_the_training_thread_in_few_transactions(job) -> None:
     }
     with sessions() as s:
         last = s.scalars(select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.id)).all()
-    assert last[0].values["attempt"] == 2 and last[-1].values["eval/acceptance_length@2"] == 1.5
+    assert last[0].values["attempt"] == 1 and last[-1].values["eval/acceptance_length@2"] == 1.5
 
 
 def test_eval_metrics_are_written_without_waiting_for_the_interval(job) -> None:
@@ -158,5 +160,24 @@ def test_a_failed_write_is_reported_by_flush_and_retried(job) -> None:
         writer.on_metrics(step(2))
         writer.flush()
         assert stored(sessions, job_id)[0] == [1, 2]
+    finally:
+        writer.close()
+
+
+def test_a_stale_attempt_writes_nothing(job) -> None:
+    sessions, job_id = job
+    writer = ProgressWriter(sessions, job_id, attempt=1, min_interval_s=3600).start()
+    try:
+        writer.on_metrics(step(1))
+        writer.flush()
+        # The job is taken from attempt 1 (a false death) and claimed again: attempt 2.
+        with sessions() as s:
+            assert jobstate.transition(s, job_id, "queued", expect=("running",), fence=1)
+            assert jobstate.claim(s, job_id, "w2")
+        writer.on_metrics(step(2))
+        writer.flush()
+        assert writer.lost.is_set()
+        steps, progress = stored(sessions, job_id)
+        assert steps == [1] and progress["step"] == 1
     finally:
         writer.close()

@@ -64,3 +64,22 @@ def test_cancel_within_grace_is_left_alone(stack: Stack, tmp_path: Path) -> None
         assert jobstate.transition(s, job_id, "cancelling")
     assert not reconcile_once(stack.settings, redis=stack.redis)
     assert stack.job(job_id).status == "cancelling"
+
+
+def test_a_stale_database_heartbeat_is_not_death_while_the_attempt_is_alive_in_redis(
+    stack: Stack, tmp_path: Path
+) -> None:
+    from service.queue import mark_alive
+
+    spec = toy_spec(tmp_path, tmp_path / "d.jsonl")
+    alive, dead = stack.submit(spec), stack.submit(spec)
+    for job_id in (alive, dead):
+        _running(stack, job_id, heartbeat_age_s=3600, attempt=2)
+        # An earlier attempt that woke up (a thawed, fenced-off worker) still refreshes its own key.
+        mark_alive(stack.redis, job_id, 1, ttl_s=30)
+    # This worker cannot reach the database (an outage) but marks its attempt alive in Redis.
+    mark_alive(stack.redis, alive, 2, ttl_s=30)
+
+    report = reconcile_once(stack.settings, redis=stack.redis)
+    assert report.requeued == [dead]  # the stale attempt's key vouches for nobody but itself
+    assert stack.job(alive).status == "running"

@@ -10,31 +10,22 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.fixtures.servers import free_port, wait_until_healthy
 from tests.worker.conftest import Stack, toy_spec
 
 pytest.importorskip("mlflow", reason="the trackers extra is not installed")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `mlflow server` (SQLite backend, proxied artifacts) on a free port."""
     root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     log = open(root / "server.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [
@@ -49,18 +40,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"mlflow server exited:\n{(root / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("mlflow server did not come up in 180 s")
-            time.sleep(0.5)
+        wait_until_healthy(f"{url}/health", proc, root / "server.log", timeout_s=180)
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -149,7 +129,7 @@ def test_a_tracker_outage_leaves_the_job_succeeded_with_one_warning(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
 ) -> None:
     # Nothing listens on this port: every MLflow call fails (connection refused).
-    stack.env["PEAGLE_MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{_free_port()}"
+    stack.env["PEAGLE_MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{free_port()}"
     spec = toy_spec(toy_verifier_dir, toy_dataset_path, tracking={"report_to": ["mlflow", "tensorboard"]})
     job_id = stack.submit(spec)
     stack.run_burst()

@@ -5,9 +5,7 @@ from __future__ import annotations
 import base64
 import mimetypes
 import re
-import tarfile
-from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated
 from urllib.parse import quote
 
 from fastapi import APIRouter, Header, Request
@@ -16,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from service.api import schemas
 from service.api.deps import DB, CurrentProject, Store
 from service.api.errors import ApiError, not_found
-from service.artifacts import ArtifactStore
+from service.api.tarstream import tar_plan, tar_stream
 from service.crud.checkpoints import get_checkpoint
 from service.db.models import Checkpoint
 from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_row
@@ -24,8 +22,6 @@ from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_r
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
 _ERRORS = {401: {"model": schemas.ErrorEnvelope}, 404: {"model": schemas.ErrorEnvelope}}
-_BLOCK = tarfile.BLOCKSIZE
-_RECORD = tarfile.RECORDSIZE
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -55,44 +51,6 @@ def delete_checkpoint(checkpoint_id: str, db: DB, store: Store, project: Current
     return schemas.Deleted(id=checkpoint_id, object="checkpoint")
 
 
-def _tar_plan(ckpt: Checkpoint) -> tuple[list[tuple[bytes, dict[str, Any]]], int]:
-    """Tar headers for every file (under a top directory named after the checkpoint) and the total size."""
-    plan, total = [], 0
-    for f in sorted(ckpt.files, key=lambda f: f["name"]):
-        info = tarfile.TarInfo(f"{ckpt.id}/{f['name']}")
-        info.size = int(f["size"])
-        info.mode = 0o644
-        info.mtime = int(ckpt.created_at.timestamp())
-        header = info.tobuf(format=tarfile.PAX_FORMAT)
-        plan.append((header, f))
-        total += len(header) + -(-info.size // _BLOCK) * _BLOCK
-    total += 2 * _BLOCK
-    total += -total % _RECORD
-    return plan, total
-
-
-def _tar_stream(
-    store: ArtifactStore, key: str, plan: list[tuple[bytes, dict[str, Any]]], total: int
-) -> Iterator[bytes]:
-    # Built on the fly: headers are computed up front, file bodies streamed from the store in chunks.
-    sent = 0
-    for header, f in plan:
-        yield header
-        sent += len(header)
-        size = 0
-        for block in store.iter_range(f"{key}/{f['name']}"):
-            size += len(block)
-            yield block
-        if size != int(f["size"]):
-            # A truncated member would corrupt the archive silently; abort the stream instead.
-            raise RuntimeError(f"checkpoint file {f['name']} changed size in the store")
-        pad = -size % _BLOCK
-        sent += size + pad
-        if pad:
-            yield b"\0" * pad
-    yield b"\0" * (total - sent)
-
-
 @router.get(
     "/{checkpoint_id}/archive",
     responses={
@@ -104,9 +62,10 @@ def _tar_stream(
 )
 def archive(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -> StreamingResponse:
     ckpt = _checkpoint_or_404(db, project.id, checkpoint_id)
-    plan, total = _tar_plan(ckpt)
+    # The checkpoint's files under a top directory named after it, stamped with its publication time.
+    plan, total = tar_plan(ckpt.id, ckpt.files, int(ckpt.created_at.timestamp()))
     return StreamingResponse(
-        _tar_stream(store, ckpt.uri, plan, total),
+        tar_stream(store, ckpt.uri, plan, total),
         media_type="application/x-tar",
         headers={
             "Content-Length": str(total),

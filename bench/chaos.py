@@ -1,0 +1,438 @@
+"""Fault scenarios against a real stack, one JSON line per scenario: trials, succeeded, lost, duplicated.
+
+The stack is the API (uvicorn), two `peagle worker` processes (each with its reconciler sidecar and its
+own scratch directory, i.e. its own "machine"), a private Postgres cluster and a private redis-server, all
+on free ports of this machine (nothing shared is touched). Jobs are toy trainings submitted over HTTP.
+
+    python bench/chaos.py                      # the issue's counts
+    python bench/chaos.py --sigkill 3 --pg-outage 1 --redis-jobs 6 --freeze 1 --cross-machine 1
+
+Scenarios: `sigkill` (SIGKILL a worker's tree at a random point, start a replacement on the same scratch),
+`pg_outage` (Postgres stopped for --outage-s mid-job), `redis_restart` (redis-server killed and restarted
+with --redis-jobs queued jobs; it keeps no data), `freeze` (SIGSTOP the worker holding the job until the
+reconciler requeues it, then SIGCONT), `cross_machine` (SIGKILL the holder, leave it dead: the other worker
+resumes from the mirrored checkpoint; a worker on a fresh scratch directory then replaces it).
+
+lost: a job that did not succeed within --deadline-s. duplicated: a job with more than one published
+checkpoint, or whose metric rows show an older attempt writing after a newer one started (two attempts
+running at once and both being heard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures.pg_cluster import PrivatePostgres, postgres_bindir  # noqa: E402
+from tests.fixtures.servers import free_port  # noqa: E402
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+class Stack:
+    """API + two workers + private Postgres + private Redis, torn down by `close()`."""
+
+    def __init__(self, root: Path, *, heartbeat_s: float, reconcile_s: float):
+        from peagle_core.toy import build_toy_verifier, write_toy_dataset
+        from service.crud.projects import create_key
+        from service.db.migrate import upgrade
+        from service.db.session import session_scope
+
+        self.root = root
+        bindir = postgres_bindir()
+        if bindir is None:
+            raise SystemExit("chaos needs the Postgres server binaries (initdb, pg_ctl)")
+        self.pg = PrivatePostgres(bindir)
+        self.redis_port = free_port()
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.start_redis()
+        upgrade(self.pg.url)
+        with session_scope(self.pg.url) as s:
+            self.key, _ = create_key(s, "chaos")
+        models, data = root / "models", root / "data"
+        models.mkdir()
+        data.mkdir()
+        self.verifier = build_toy_verifier("test", seed=0, out=models / "toy")
+        self.dataset = write_toy_dataset(data / "toy.jsonl", n=64, seed=0)
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "PEAGLE_DATABASE_URL": self.pg.url,
+            "PEAGLE_REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+            "PEAGLE_ARTIFACT_ROOT": str(root / "artifacts"),
+            "PEAGLE_ALLOWED_MODEL_ROOTS": str(models),
+            "PEAGLE_ALLOWED_DATA_ROOTS": str(data),
+            "PEAGLE_WORKER_HEARTBEAT_S": str(heartbeat_s),
+            "PEAGLE_RECONCILE_INTERVAL_S": str(reconcile_s),
+            "OMP_NUM_THREADS": "1",
+        }
+        self.api_port = free_port()
+        self.api = self._spawn(
+            "api",
+            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory", "--port",
+             str(self.api_port), "--log-level", "warning", "--no-access-log"],
+            data_dir=root / "api",
+        )  # fmt: skip
+        self.http = httpx.Client(
+            base_url=f"http://127.0.0.1:{self.api_port}",
+            headers={"Authorization": f"Bearer {self.key}"},
+            timeout=10,
+        )
+        self._until("the API", lambda: self._get("/readyz") is not None, 120)
+        self.machines = 0
+        self.workers: list[subprocess.Popen[bytes]] = []
+        for _ in range(2):
+            self.add_worker()
+
+    # -- processes ---------------------------------------------------------------------------------
+
+    def _spawn(self, name: str, cmd: list[str], *, data_dir: Path) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115
+        env = {**self.env, "PEAGLE_DATA_DIR": str(data_dir)}
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def add_worker(self, machine: int | None = None) -> subprocess.Popen[bytes]:
+        """A worker on scratch directory `machine` (a new one when None)."""
+        if machine is None:
+            self.machines += 1
+            machine = self.machines
+        proc = self._spawn(
+            f"worker-m{machine}",
+            [sys.executable, "-m", "cli", "worker"],
+            data_dir=self.root / f"machine-{machine}",
+        )
+        proc.machine = machine  # type: ignore[attr-defined]
+        self.workers.append(proc)
+        return proc
+
+    def holder(self) -> subprocess.Popen[bytes] | None:
+        """The worker whose work horse is running a job (the pool parent's grandchild), if any."""
+        for w in self.workers:
+            if w.poll() is None and _horses(w.pid):
+                return w
+        return None
+
+    def kill(self, worker: subprocess.Popen[bytes]) -> None:
+        tree = [psutil.Process(worker.pid), *psutil.Process(worker.pid).children(recursive=True)]
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        worker.wait()
+        self.workers.remove(worker)
+
+    def start_redis(self) -> None:
+        self.redis = subprocess.Popen(
+            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        from service.queue import redis_from_url
+
+        conn = redis_from_url(f"redis://127.0.0.1:{self.redis_port}/0")
+        self._until("redis", lambda: _try(conn.ping), 30)
+
+    def kill_redis(self) -> None:
+        assert self.redis is not None
+        self.redis.kill()
+        self.redis.wait()
+
+    def close(self) -> None:
+        for w in list(self.workers):
+            self.kill(w)
+        for proc in (self.api, self.redis):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        from service.db.session import dispose_engines
+
+        dispose_engines()
+        self.pg.close()
+
+    # -- API ---------------------------------------------------------------------------------------
+
+    def _get(self, path: str) -> Any:
+        try:
+            r = self.http.get(path)
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def submit(self, steps: int) -> str:
+        spec = {
+            "verifier": {"name_or_path": str(self.verifier)},
+            "dataset": {"path": str(self.dataset), "seq_len": 128, "val_fraction": 0.1},
+            "hidden_states": {"mode": "online"},
+            "model": {"num_layers": 1, "num_depths": 2, "draft_vocab_size": 256},
+            "training": {"total_seq_len": 256, "lr": 1e-3, "max_steps": steps, "epochs": 100,
+                         "checkpoint_every_steps": 5, "seed": 3},
+            "evaluation": {"prompts": 1, "max_new_tokens": 8},
+        }  # fmt: skip
+        r = self.http.post("/v1/jobs", json={"spec": spec})
+        r.raise_for_status()
+        return r.json()["id"]
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        return self._get(f"/v1/jobs/{job_id}")
+
+    def wait_step(self, job_id: str, step: int, timeout: float) -> bool:
+        def reached() -> bool:
+            job = self.job(job_id)
+            return bool(job and job["status"] == "running" and (job["progress"] or {}).get("step", 0) >= step)
+
+        return self._until(f"{job_id} at step {step}", reached, timeout, fail=False)
+
+    def wait_done(self, job_ids: list[str], timeout: float) -> dict[str, str]:
+        final: dict[str, str] = {}
+
+        def done() -> bool:
+            for j in job_ids:
+                if j not in final:
+                    job = self.job(j)
+                    if job and job["status"] in ("succeeded", "failed", "cancelled"):
+                        final[j] = job["status"]
+            return len(final) == len(job_ids)
+
+        self._until("jobs to finish", done, timeout, fail=False)
+        return final
+
+    def _until(self, what: str, cond: Callable[[], Any], timeout: float, *, fail: bool = True) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return True
+            time.sleep(0.5)
+        if fail:
+            raise SystemExit(f"timed out waiting for {what}")
+        return False
+
+    # -- verdicts ----------------------------------------------------------------------------------
+
+    def duplicated(self, job_id: str) -> bool:
+        from sqlalchemy import select
+
+        from service.db.models import Checkpoint, JobMetric
+        from service.db.retry import retry_transient
+        from service.db.session import session_factory
+
+        def read() -> tuple[int, list[Any]]:
+            with session_factory(self.pg.url)() as s:
+                ckpts = len(s.scalars(select(Checkpoint.id).where(Checkpoint.job_id == job_id)).all())
+                rows = s.execute(
+                    select(JobMetric.id, JobMetric.values).where(JobMetric.job_id == job_id)
+                ).all()
+                return ckpts, list(rows)
+
+        # Our own pooled connections died with the Postgres restarts: the first use after one fails.
+        ckpts, rows = retry_transient(read, tolerance_s=60, what="reading the verdict")
+        first_id: dict[int, int] = {}
+        last_id: dict[int, int] = {}
+        for row_id, values in rows:
+            a = int(values.get("attempt") or 0)
+            first_id[a] = min(first_id.get(a, row_id), row_id)
+            last_id[a] = max(last_id.get(a, row_id), row_id)
+        interleaved = any(last_id[a] > first_id[b] for a in last_id for b in first_id if b > a)
+        return ckpts > 1 or interleaved
+
+
+def _horses(pid: int) -> list[psutil.Process]:
+    """The work horses (and their torchrun ranks) under a `peagle worker` process: every descendant but
+    its reconciler sidecar."""
+    try:
+        return [p for p in psutil.Process(pid).children(recursive=True) if "reconcile" not in p.cmdline()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _try(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+def _verdict(
+    stack: Stack, scenario: str, job_ids: list[str], deadline_s: float, started: float, **extra: Any
+) -> None:
+    final = stack.wait_done(job_ids, deadline_s)
+    succeeded = [j for j in job_ids if final.get(j) == "succeeded"]
+    emit(
+        bench="chaos",
+        scenario=scenario,
+        trials=len(job_ids),
+        succeeded=len(succeeded),
+        lost=len(job_ids) - len(succeeded),
+        duplicated=sum(stack.duplicated(j) for j in job_ids),
+        attempts=[(stack.job(j) or {}).get("attempt") for j in job_ids],
+        wall_s=round(time.monotonic() - started, 1),
+        **extra,
+    )
+
+
+# ------------------------------------------------------------------------------------------ scenarios
+
+
+def scenario_sigkill(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    started, jobs, kills = time.monotonic(), [], 0
+    for _ in range(trials):
+        job_id = stack.submit(args.steps)
+        jobs.append(job_id)
+        # A random point of the run: anywhere from the first step to just before the last.
+        stack.wait_step(job_id, random.randint(1, args.steps - 10), args.deadline_s)
+        victim = stack.holder()
+        if victim is not None:
+            kills += 1
+            machine = victim.machine  # type: ignore[attr-defined]
+            stack.kill(victim)
+            stack.add_worker(machine)  # the machine reboots: same scratch directory
+        stack.wait_done([job_id], args.deadline_s)
+    _verdict(stack, "sigkill", jobs, args.deadline_s, started, kills=kills)
+
+
+def scenario_pg_outage(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    started, jobs, api_503 = time.monotonic(), [], 0
+    for _ in range(trials):
+        job_id = stack.submit(args.steps)
+        jobs.append(job_id)
+        stack.wait_step(job_id, 2, args.deadline_s)
+        stack.pg.stop()
+        until = time.monotonic() + args.outage_s
+        while time.monotonic() < until:
+            r = _try(lambda j=job_id: stack.http.get(f"/v1/jobs/{j}"))
+            api_503 += bool(r is not None and r.status_code == 503 and r.headers.get("Retry-After"))
+            time.sleep(2.0)
+        stack.pg.start()
+        stack.wait_done([job_id], args.deadline_s)
+    _verdict(
+        stack,
+        "pg_outage",
+        jobs,
+        args.deadline_s,
+        started,
+        outage_s=args.outage_s,
+        api_503_with_retry_after=api_503,
+    )
+
+
+def scenario_redis_restart(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    started = time.monotonic()
+    jobs = [stack.submit(2) for _ in range(trials)]
+    stack.kill_redis()  # no persistence: every queued RQ job is gone
+    stack.start_redis()
+    _verdict(stack, "redis_restart", jobs, args.deadline_s * max(1, trials // 2), started)
+
+
+def scenario_freeze(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    started, jobs = time.monotonic(), []
+    for _ in range(trials):
+        job_id = stack.submit(args.steps)
+        jobs.append(job_id)
+        stack.wait_step(job_id, 2, args.deadline_s)
+        victim = stack.holder()
+        if victim is not None:
+            tree = [psutil.Process(victim.pid), *psutil.Process(victim.pid).children(recursive=True)]
+            for p in tree:
+                p.suspend()
+            try:
+                # Frozen until a reconciler (the other worker's) presumes it dead and requeues the job.
+                stack._until(
+                    "a requeue",
+                    lambda j=job_id: (stack.job(j) or {}).get("attempt", 1) >= 2,
+                    args.deadline_s,
+                    fail=False,
+                )
+            finally:
+                for p in tree:
+                    _try(p.resume)
+        stack.wait_done([job_id], args.deadline_s)
+    _verdict(stack, "heartbeat_freeze", jobs, args.deadline_s, started)
+
+
+def scenario_cross_machine(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    started, jobs, resumed_from = time.monotonic(), [], []
+    for _ in range(trials):
+        job_id = stack.submit(args.steps)
+        jobs.append(job_id)
+        stack.wait_step(job_id, 6, args.deadline_s)  # a checkpoint (every 5 steps) is mirrored
+        victim = stack.holder()
+        if victim is not None:
+            stack.kill(victim)  # the machine is gone for good
+        stack.wait_done([job_id], args.deadline_s)
+        events = stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []}
+        steps = [e["data"]["resume_step"] for e in events["data"] if (e.get("data") or {}).get("resume_step")]
+        resumed_from.append(steps[-1] if steps else 0)
+        stack.add_worker()  # a new machine with an empty scratch directory joins
+    _verdict(stack, "cross_machine", jobs, args.deadline_s, started, resumed_from_step=resumed_from)
+
+
+SCENARIOS = {
+    "sigkill": scenario_sigkill,
+    "pg_outage": scenario_pg_outage,
+    "redis_jobs": scenario_redis_restart,
+    "freeze": scenario_freeze,
+    "cross_machine": scenario_cross_machine,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sigkill", type=int, default=10)
+    ap.add_argument("--pg-outage", type=int, default=3)
+    ap.add_argument("--redis-jobs", type=int, default=20)
+    ap.add_argument("--freeze", type=int, default=3)
+    ap.add_argument("--cross-machine", type=int, default=3)
+    ap.add_argument("--outage-s", type=float, default=60.0)
+    ap.add_argument(
+        "--steps", type=int, default=200, help="training steps per job (~15 steps/s on a free core)"
+    )
+    ap.add_argument("--deadline-s", type=float, default=600.0, help="per job, before it counts as lost")
+    ap.add_argument("--heartbeat-s", type=float, default=1.0)
+    ap.add_argument("--reconcile-s", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", action="store_true", help="keep the stack's directory (logs) afterwards")
+    args = ap.parse_args()
+    random.seed(args.seed)
+
+    root = Path(tempfile.mkdtemp(prefix="peagle-chaos-"))
+    stack = Stack(root, heartbeat_s=args.heartbeat_s, reconcile_s=args.reconcile_s)
+    counts = {
+        "sigkill": args.sigkill,
+        "pg_outage": args.pg_outage,
+        "redis_jobs": args.redis_jobs,
+        "freeze": args.freeze,
+        "cross_machine": args.cross_machine,
+    }
+    try:
+        for name, trials in counts.items():
+            if trials > 0:
+                SCENARIOS[name](stack, trials, args)
+    finally:
+        stack.close()
+        if args.keep:
+            print(f"# logs: {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    main()
