@@ -121,6 +121,25 @@ def jobs_submit(
             _follow(client, job["id"])
 
 
+@jobs_app.command("plan")
+def jobs_plan(
+    spec_file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON (see the README).")],
+    recalibrate: Annotated[bool, typer.Option(help="Calibrate again even if rates are stored.")] = False,
+    url: UrlOpt = None,
+    key: KeyOpt = None,
+) -> None:
+    """Print what SPEC_FILE would cost (counts, cache bytes, steps, time per stage) without creating a job."""
+    from peagle_core.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as exc:
+        fail(exc.message)
+    with connect(url, key) as client:
+        plan = client.plan_job(spec.model_dump(mode="json", exclude_unset=True), recalibrate=recalibrate)
+    typer.echo(json.dumps(plan, indent=2))
+
+
 @jobs_app.command("list")
 def jobs_list(
     status: Annotated[str | None, typer.Option(help="Only jobs with this status.")] = None,

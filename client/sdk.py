@@ -166,6 +166,14 @@ class PeagleClient:
             time.sleep(min(0.5 * 2**attempt, 8.0))
         raise AssertionError("unreachable")
 
+    def plan_job(
+        self, spec: dict[str, Any], *, recalibrate: bool = False, timeout: float = 3600.0
+    ) -> dict[str, Any]:
+        """What the job would cost (counts, cache bytes, steps, time per stage); creates nothing. A worker
+        computes it, so this waits up to the server's plan timeout (`timeout` bounds the HTTP wait)."""
+        params = {"recalibrate": "true"} if recalibrate else None
+        return self._json("POST", "/v1/jobs/plan", json={"spec": spec}, params=params, timeout=timeout)
+
     def list_jobs(
         self, *, status: str | None = None, limit: int | None = None, after: str | None = None
     ) -> dict[str, Any]:

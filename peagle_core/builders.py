@@ -40,7 +40,16 @@ def prepare_data(
         )
     target = out_dir / "data"
     if info.is_main:
-        prepare_for_spec(spec, spec.dataset.path, target)
+        source = Path(spec.dataset.path)
+        if spec.dataset.regenerate is not None:  # `peagle train`: the worker does this as a stage of its own
+            from peagle_core.regenerate import params_for_spec, regenerate
+
+            regenerated = out_dir / "regenerated" / "data.jsonl"
+            regenerated.parent.mkdir(parents=True, exist_ok=True)
+            regenerate(spec.verifier.name_or_path, source, regenerated, params_for_spec(spec),
+                       revision=spec.verifier.revision, trust_remote_code=spec.verifier.trust_remote_code)  # fmt: skip
+            source = regenerated
+        prepare_for_spec(spec, source, target)
     dist_utils.barrier(info)
     return PreparedDataset.open(target)
 

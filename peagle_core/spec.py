@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from peagle_core.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings, ascending_layer_ids
 from peagle_core.errors import PeagleError
@@ -52,6 +60,16 @@ class VerifierSpec(_Strict):
         return None if v is None else ascending_layer_ids(v)
 
 
+class RegenerateSpec(_Strict):
+    """Response regeneration: the verifier rewrites every assistant turn before data preparation."""
+
+    max_new_tokens: int = Field(default=512, ge=1, le=32768, description="Longest generated turn, in tokens.")
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
+    engine: Literal["transformers", "vllm"] = Field(
+        default="transformers", description="`transformers` works everywhere; `vllm` where vLLM is installed."
+    )
+
+
 class DatasetSpec(_Strict):
     """Chat data: an uploaded dataset id (API) or a JSONL path (CLI, or a server path under an allowed root)."""
 
@@ -61,11 +79,27 @@ class DatasetSpec(_Strict):
     seq_len: int = Field(default=2048, ge=16, le=131072)
     max_samples: int | None = Field(default=None, ge=1, le=MAX_SAMPLES)
     val_fraction: float = Field(default=0.05, ge=0.0, le=0.5)
+    regenerate: RegenerateSpec | None = Field(
+        default=None,
+        description="false (default), true (the defaults) or the verifier's regeneration settings.",
+    )
+
+    @field_validator("regenerate", mode="before")
+    @classmethod
+    def _bool_shorthand(cls, v: Any) -> Any:
+        # false/true are the documented spellings; inside, "off" is None so that errors name one type.
+        return {} if v is True else None if v is False else v
+
+    @field_serializer("regenerate")
+    def _false_when_off(self, v: RegenerateSpec | None) -> Any:
+        return False if v is None else v.model_dump()
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
         if (self.id is None) == (self.path is None):
             raise ValueError("give exactly one of 'id' (an uploaded dataset) or 'path' (a JSONL file)")
+        if self.regenerate and self.format == "tokenized":
+            raise ValueError("regenerate needs chat data (messages or sharegpt), not tokenized rows")
         return self
 
 

@@ -57,6 +57,8 @@ class VllmRun:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # "stop" (an end-of-sequence or stop token) or "length" (max_new_tokens) per prompt
+    finish_reasons: list[str] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,7 +75,7 @@ class VllmRun:
 
     def summary(self) -> dict[str, Any]:
         """The counters and derived figures, without the generated tokens."""
-        out = {k: v for k, v in asdict(self).items() if k != "tokens"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("tokens", "finish_reasons")}
         return out | {
             "acceptance_length": self.acceptance_length,
             "acceptance_rate_per_position": self.acceptance_rate_per_position,
@@ -159,6 +161,68 @@ class VllmEngine:
     ) -> VllmRun:
         """Greedy generation of `max_new_tokens` (or up to EOS) per prompt, with K drafted tokens per step
         from `drafter` (a P-EAGLE checkpoint directory) when given. Raises VllmError with vLLM's message."""
+        return self._generate(
+            verifier,
+            prompts,
+            max_new_tokens,
+            drafter=drafter,
+            k=k,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+        )
+
+    def sample(
+        self,
+        verifier: str,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        stop_token_ids: list[int] | None = None,
+        seed: int = 0,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+    ) -> VllmRun:
+        """Generation without a drafter at `temperature` (0: greedy), stopping at EOS or any of
+        `stop_token_ids`; `finish_reasons` says per prompt whether it stopped or ran out of tokens."""
+        sampling = {
+            "temperature": float(temperature),
+            "stop_token_ids": list(stop_token_ids or []),
+            "seed": seed,
+        }
+        return self._generate(
+            verifier,
+            prompts,
+            max_new_tokens,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            sampling=sampling,
+        )
+
+    def _generate(
+        self,
+        verifier: str,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        drafter: str | None = None,
+        k: int | None = None,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> VllmRun:
         if drafter is not None and not k:
             raise ValueError("a drafter needs k (speculative tokens per step)")
         longest = max((len(p) for p in prompts), default=1)
@@ -183,6 +247,7 @@ class VllmEngine:
                 "config": asdict(config),
                 "prompts": [list(map(int, p)) for p in prompts],
                 "max_new_tokens": int(max_new_tokens),
+                "sampling": sampling,
             }
         )
         if "error" in reply:
@@ -251,11 +316,14 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
 
         before = _counters(llm)
         start = time.perf_counter()
-        outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in message["prompts"]],
-            SamplingParams(temperature=0.0, max_tokens=message["max_new_tokens"]),
-            use_tqdm=False,
+        sampling = message.get("sampling") or {}
+        params = SamplingParams(
+            temperature=sampling.get("temperature", 0.0),
+            max_tokens=message["max_new_tokens"],
+            stop_token_ids=sampling.get("stop_token_ids") or None,
+            seed=sampling.get("seed"),
         )
+        outputs = llm.generate([{"prompt_token_ids": p} for p in message["prompts"]], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         after = _counters(llm)
     except Exception as exc:
@@ -270,6 +338,7 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
             "seconds": seconds,
             **moved,
             "accepted_per_position": per_pos,
+            "finish_reasons": [str(o.outputs[0].finish_reason) for o in outputs],
         }
     }
 

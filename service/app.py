@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from service.api import errors
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.quotas import StreamSlots
-from service.api.routes import checkpoints, datasets, health, jobs, tracking
+from service.api.routes import checkpoints, datasets, health, jobs, plans, tracking
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
 from service.db.session import session_factory
@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=_is_upload)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    for module in (health, jobs, tracking, datasets, checkpoints):
+    for module in (health, plans, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)
     install_ui(app)
     return app

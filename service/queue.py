@@ -11,6 +11,7 @@ from rq.job import Job as RQJob
 from rq.job import JobStatus
 
 RUN_JOB_FUNC = "worker.tasks.run_job"
+PLAN_FUNC = "worker.tasks.plan_job"
 
 # An RQ job in one of these is waiting for or held by a worker: enqueueing again would run it twice.
 _LIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
@@ -62,6 +63,30 @@ def enqueue_run(redis: Redis, job_id: str, queue_name: str, timeout_s: int) -> R
     except DuplicateJobError:
         # Another process enqueued it between our check and our write: theirs is the one.
         return RQJob.fetch(job_id, connection=redis)
+
+
+def enqueue_plan(redis: Redis, queue_name: str, spec: dict, data: dict, timeout_s: float, *,
+                 recalibrate: bool = False) -> RQJob:  # fmt: skip
+    """Ask a worker of `queue_name` for the plan of `spec`, ahead of queued jobs; dropped if nobody takes it
+    within `timeout_s` (its asker has given up by then)."""
+    return Queue(queue_name, connection=redis).enqueue_call(
+        PLAN_FUNC,
+        args=(spec, data, recalibrate),
+        timeout=int(timeout_s),
+        ttl=int(timeout_s) + 60,  # outlives the asker's wait, so that it can still withdraw the request
+        result_ttl=600,
+        failure_ttl=600,
+        at_front=True,
+        description="peagle plan",
+    )
+
+
+def withdraw_plan(redis: Redis, queue_name: str, job: RQJob) -> None:
+    """Take an unanswered plan request off its queue, so that no worker computes it for nobody."""
+    Queue(queue_name, connection=redis).remove(job.id)
+    # one a worker took meanwhile finishes, and its result expires on its own (result_ttl)
+    if job.get_status(refresh=True) in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
+        job.delete()
 
 
 def _alive_key(job_id: str, attempt: int) -> str:

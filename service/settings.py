@@ -92,6 +92,9 @@ class Settings(BaseSettings):
     job_timeout_s: int = Field(
         default=7 * 24 * 3600, ge=60, description="Hard RQ timeout for one job attempt, in seconds."
     )
+    plan_timeout_s: float = Field(
+        default=600.0, gt=0, le=3600, description="How long POST /v1/jobs/plan waits for a worker's plan."
+    )
     reconcile_interval_s: float = Field(
         default=30.0, gt=0, description="How often the reconciler compares the database with the queue."
     )

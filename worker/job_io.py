@@ -21,7 +21,7 @@ from service.db.jsondata import json_safe
 from service.redact import redact_paths
 
 # The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
-STAGES = ("prepare", "hidden_states", "train", "eval", "export")
+STAGES = ("regenerate", "prepare", "hidden_states", "train", "eval", "export")
 
 OnEvent = Callable[[str, str, dict[str, Any] | None], None]
 

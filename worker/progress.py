@@ -97,6 +97,10 @@ class ProgressWriter:
     def set_stage(self, stage: str) -> None:
         self._put(("stage", stage), urgent=True)
 
+    def set_fields(self, **fields: Any) -> None:
+        """Merge `fields` into the job's progress (a stage's own counters, e.g. `regenerate`, `eta_s`)."""
+        self._put(("fields", json_safe(fields)), urgent=False)
+
     def add_event(
         self, type_: str, message: str, data: dict[str, Any] | None = None, *, level: str = "info"
     ) -> None:
@@ -170,6 +174,9 @@ class ProgressWriter:
                 requests.append(item)
             elif item[0] == "stage":
                 self.progress["stage"] = item[1]
+                self._dirty = True
+            elif item[0] == "fields":
+                self.progress.update(item[1])
                 self._dirty = True
             elif item[0] == "event":
                 self._events.append(item[1:])

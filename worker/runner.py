@@ -42,6 +42,7 @@ from worker.job_io import Outcome, error_for, event_recorder, write_event
 from worker.mirror import CheckpointMirror, restore
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
+from worker.regen_stage import regenerated_source
 from worker.trackers import JobTrackers
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,22 @@ class JobRunner:
         out_dir.mkdir(parents=True, exist_ok=True)
 
         data_path, source_sha = self._dataset_source(job, spec, out_dir)
+        if spec.dataset.regenerate is not None:
+            regenerated = regenerated_source(
+                self.store,
+                Path(self.settings.data_dir) / "scratch",
+                spec,
+                data_path,
+                source_sha,
+                job.project_id,
+                enter_stage=lambda stage, data: self._enter(stage, progress, "regenerating answers", **data),
+                event=self._event,
+                on_progress=lambda p: progress.set_fields(regenerate=p, eta_s=p["eta_s"]),
+                should_stop=monitor.should_stop,
+            )
+            if regenerated is None:
+                return Outcome(status="stopped", step=0, export_dir=None, checkpoint_dir=None, metrics={})
+            data_path, source_sha = regenerated
         self._enter("prepare", progress, "preparing data")
         dataset_dir, reused = self._prepared_dataset(spec, data_path, source_sha, out_dir, job.project_id)
         if reused:

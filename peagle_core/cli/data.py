@@ -62,3 +62,54 @@ def validate(
     if not data.is_file():
         raise DataError(f"dataset file {str(data)!r} does not exist", param="data")
     typer.echo(json.dumps(validate_jsonl(data, fmt).to_dict()))
+
+
+@app.command("regenerate")
+def regenerate(
+    verifier: VerifierOption,
+    data: Annotated[Path, typer.Option("--data", help="Chat JSONL (messages or ShareGPT).")],
+    out: Annotated[Path, typer.Option("--out", help="JSONL to write (same format) + OUT.provenance.json.")],
+    engine: Annotated[str, typer.Option("--engine", help="transformers (default) or vllm.")] = "transformers",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, max=32768)] = 512,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, max=2.0)] = 0.0,
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", min=3, help="A turn whose prompt fills seq_len is skipped.")
+    ] = 2048,
+    fmt: Annotated[str, typer.Option("--format", help="auto, messages or sharegpt.")] = "auto",
+    max_samples: Annotated[int | None, typer.Option("--max-samples", min=1)] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=4096)] = 16,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed (temperature > 0).")] = 0,
+    revision: RevisionOption = None,
+    trust_remote_code: TrustRemoteCodeOption = False,
+) -> None:
+    """Rewrite every assistant turn with the verifier, turn by turn; resumes an interrupted run."""
+    from peagle_core.cli.common import fail
+    from peagle_core.regenerate import RegenParams
+    from peagle_core.regenerate import regenerate as run
+
+    if engine not in ("transformers", "vllm"):
+        fail(f"--engine must be transformers or vllm, not {engine!r}")
+    params = RegenParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        engine=engine,  # type: ignore[arg-type]
+        seq_len=seq_len,
+        fmt=fmt,
+        max_samples=max_samples,
+        seed=seed,
+    )
+
+    def progress(r) -> None:
+        typer.echo(f"{r.conversations}/{r.total} conversations, {r.tokens_per_s:.0f} tokens/s", err=True)
+
+    report = run(
+        verifier,
+        data,
+        out,
+        params,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        batch_size=batch_size,
+        on_progress=progress,
+    )
+    typer.echo(json.dumps({"path": str(out), **report.to_dict()}))

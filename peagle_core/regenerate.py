@@ -1,0 +1,563 @@
+"""Response regeneration: the verifier rewrites every assistant turn of a chat dataset, turn by turn.
+
+Progress is appended to a work log one conversation at a time, so a killed run resumes with no duplicate
+and no lost row; the finished JSONL keeps the source's format and gets a provenance record beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from peagle_core.data.chat import encode, render
+from peagle_core.data.formats import Row, iter_rows
+from peagle_core.errors import DataError, VerifierError
+from peagle_core.io import atomic_write_bytes, atomic_write_json, sha256_file
+
+if TYPE_CHECKING:
+    from peagle_core.spec import JobSpec
+    from peagle_core.vllm_engine import VllmEngine
+
+log = logging.getLogger(__name__)
+
+REGEN_VERSION = 1  # bump when the rewrite rules change: invalidates every cached regeneration
+Engine = Literal["transformers", "vllm"]
+_SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+_WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".py")
+
+
+@dataclass(frozen=True)
+class RegenParams:
+    """What a regeneration depends on besides the verifier and the data (all part of its fingerprint)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    engine: Engine = "transformers"
+    seq_len: int = 2048  # a turn whose prompt leaves no room for one answer token within seq_len is skipped
+    fmt: str = "auto"
+    max_samples: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class RegenReport:
+    """Counts of one regeneration (the whole output, resumed parts included) and this run's speed."""
+
+    status: Literal["completed", "stopped"] = "completed"
+    fingerprint: str = ""
+    conversations: int = 0  # source conversations done
+    total: int = 0  # source conversations in all
+    written: int = 0  # rows in the output
+    turns: int = 0  # assistant turns rewritten
+    skipped_prompt_too_long: int = 0  # turns cut: prompt >= seq_len (the conversation ends before them)
+    dropped_empty: int = 0  # turns cut: the verifier generated nothing
+    hit_max_new_tokens: int = 0  # turns kept without an end of turn (flagged in the provenance)
+    dropped_conversations: int = 0  # conversations left with no assistant turn
+    resumed_from: int = 0  # conversations already in the work log when this run started
+    reused: bool = False  # a finished regeneration with this fingerprint was found
+    generated_tokens: int = 0  # by this run
+    seconds: float = 0.0  # of this run's generation
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"tokens_per_s": round(self.tokens_per_s, 2)}
+
+
+@dataclass
+class Generation:
+    """One generated turn: its tokens without the stop token, and whether a stop token ended it."""
+
+    tokens: list[int]
+    finished: bool
+
+
+class Generator(Protocol):
+    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]: ...
+
+
+# ------------------------------------------------------------------------------ fingerprints and paths
+
+
+def verifier_fingerprint(name_or_path: str, revision: str | None = None) -> str:
+    """sha256 over a local verifier directory's files (name, size, content); a hub id is its name+revision.
+
+    Computed from the files, not the loaded model, so the service can look a cached regeneration up
+    before loading anything, and both engines share one fingerprint.
+    """
+    path = Path(name_or_path).expanduser()
+    h = hashlib.sha256()
+    if not path.is_dir():
+        h.update(json.dumps(["hub", name_or_path, revision]).encode())
+        return h.hexdigest()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
+        h.update(f"{f.relative_to(path).as_posix()}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
+    return h.hexdigest()
+
+
+def regen_fingerprint(verifier_fp: str, source_sha256: str, params: RegenParams) -> str:
+    """The cache key of a regeneration: same verifier files, same source bytes, same parameters."""
+    blob = json.dumps([REGEN_VERSION, verifier_fp, source_sha256, asdict(params)], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def work_log_path(out: Path) -> Path:
+    return out.with_name(out.name + ".parts")
+
+
+def provenance_path(out: Path) -> Path:
+    return out.with_name(out.name + ".provenance.json")
+
+
+def read_provenance(out: str | Path) -> dict[str, Any] | None:
+    """The provenance of a finished regeneration at `out`, or None when it is missing or unfinished."""
+    out = Path(out)
+    try:
+        prov = json.loads(provenance_path(out).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return prov if out.is_file() else None
+
+
+# ------------------------------------------------------------------------------ engines
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """End-of-turn tokens: the tokenizer's EOS and whatever the model's generation config lists."""
+    ids: list[int] = []
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for i in source if isinstance(source, list | tuple) else [source]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise VerifierError("the verifier's tokenizer has no end-of-sequence token to stop a turn at")
+    return ids
+
+
+def _cut(tokens: Sequence[int], stops: set[int], max_new_tokens: int) -> Generation:
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return Generation(list(tokens[:i]), True)
+    # vLLM stops at the model's own EOS too; a stop it reports without the token still ends the turn
+    return Generation(list(tokens), len(tokens) < max_new_tokens)
+
+
+class TransformersGenerator:
+    """Batched `model.generate` with a KV cache, prompts sorted by length and left-padded per batch."""
+
+    def __init__(self, model: Any, tokenizer: Any, stops: list[int], *, temperature: float, seed: int,
+                 batch_size: int = 16):  # fmt: skip
+        self.model, self.tokenizer, self.stops = model, tokenizer, stops
+        self.temperature, self.seed, self.batch_size = temperature, seed, batch_size
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+
+    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
+        import torch
+
+        out: list[Generation | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        device = next(self.model.parameters()).device
+        sampling = (
+            {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+            if self.temperature > 0
+            else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        )
+        for s in range(0, len(order), self.batch_size):
+            chunk = order[s : s + self.batch_size]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):
+                p = prompts[i]
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            if self.temperature > 0:
+                torch.manual_seed(self.seed + s)
+            with torch.inference_mode():
+                gen = self.model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=self.stops,
+                    pad_token_id=self.pad,
+                    use_cache=True,
+                    **sampling,
+                )
+            for row, i in enumerate(chunk):
+                out[i] = _cut(gen[row, width:].tolist(), set(self.stops), max_new_tokens)
+        return [g for g in out if g is not None]
+
+
+class VllmGenerator:
+    """vLLM's offline batched generation in its child process (`peagle_core.vllm_engine`)."""
+
+    def __init__(self, engine: VllmEngine, verifier: str, stops: list[int], *, temperature: float,
+                 seed: int, seq_len: int, trust_remote_code: bool = False):  # fmt: skip
+        self.engine, self.verifier, self.stops = engine, verifier, stops
+        self.temperature, self.seed, self.seq_len = temperature, seed, seq_len
+        self.trust_remote_code = trust_remote_code
+
+    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
+        run = self.engine.sample(
+            self.verifier,
+            [list(p) for p in prompts],
+            max_new_tokens,
+            temperature=self.temperature,
+            stop_token_ids=self.stops,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+        )
+        stops = set(self.stops)
+        out = []
+        for tokens, reason in zip(run.tokens, run.finish_reasons, strict=True):
+            g = _cut(tokens, stops, max_new_tokens)
+            out.append(Generation(g.tokens, g.finished or reason == "stop"))
+        return out
+
+
+# ------------------------------------------------------------------------------ the rewrite
+
+
+@dataclass
+class _Conversation:
+    index: int
+    row: Row
+    out: list[dict[str, str]] = field(default_factory=list)
+    pos: int = 0
+    done: bool = False
+    counts: dict[str, int] = field(default_factory=dict)
+    flagged_turns: list[int] = field(default_factory=list)
+
+    def bump(self, key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def advance(self) -> None:
+        """Copy system and user turns as written up to the next assistant turn (or the end)."""
+        msgs = self.row.messages or []
+        while self.pos < len(msgs) and msgs[self.pos]["role"] != "assistant":
+            self.out.append(dict(msgs[self.pos]))
+            self.pos += 1
+        if self.pos >= len(msgs):
+            self.done = True
+
+    def cut(self, reason: str) -> None:
+        """End the conversation before the current turn; later turns would follow a history that isn't."""
+        self.bump(reason)
+        while self.out and self.out[-1]["role"] != "assistant":
+            self.out.pop()
+        self.done = True
+
+
+def rewrite_conversations(
+    rows: Sequence[tuple[int, Row]],
+    tokenizer: Any,
+    generator: Generator,
+    params: RegenParams,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[list[_Conversation], int] | None:
+    """Rewrite every assistant turn of `rows`, all conversations' turn i in one batch.
+
+    Returns the conversations and the tokens generated, or None when `should_stop` asked to stop first.
+    """
+    convs = [_Conversation(i, row) for i, row in rows]
+    generated = 0
+    while True:
+        active = []
+        for c in convs:
+            if c.done:
+                continue
+            c.advance()
+            if c.done:
+                continue
+            prompt = encode(tokenizer, render(tokenizer, c.out, add_generation_prompt=True))
+            if len(prompt) >= params.seq_len:
+                c.cut("skipped_prompt_too_long")
+                continue
+            active.append((c, prompt))
+        if not active:
+            return convs, generated
+        if should_stop is not None and should_stop():
+            return None
+        gens = generator.generate([p for _, p in active], params.max_new_tokens)
+        for (c, _), g in zip(active, gens, strict=True):
+            generated += len(g.tokens)
+            text = tokenizer.decode(g.tokens, skip_special_tokens=True)
+            if not text.strip():
+                c.cut("dropped_empty")
+                continue
+            c.out.append({"role": "assistant", "content": text})
+            c.pos += 1
+            c.bump("turns")
+            if not g.finished:
+                c.bump("hit_max_new_tokens")
+                c.flagged_turns.append(sum(m["role"] == "assistant" for m in c.out) - 1)
+
+
+def _output_row(messages: list[dict[str, str]], fmt: str) -> dict[str, Any]:
+    if fmt == "sharegpt":
+        return {
+            "conversations": [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
+        }
+    return {"messages": messages}
+
+
+class _WorkLog:
+    """`OUT.parts`: a header naming the fingerprint, then one JSON line per finished source conversation."""
+
+    def __init__(self, path: Path, fingerprint: str):
+        self.path, self.fingerprint = path, fingerprint
+        self.records: dict[int, dict[str, Any]] = {}
+
+    def load(self) -> None:
+        """Read what a previous run appended; a torn last line (killed mid-write) is cut off."""
+        if not self.path.is_file():
+            self._start()
+            return
+        raw = self.path.read_bytes()
+        good = raw[: raw.rfind(b"\n") + 1]
+        lines = good.splitlines()
+        try:
+            header = json.loads(lines[0]) if lines else {}
+            records = [json.loads(line) for line in lines[1:]]
+        except json.JSONDecodeError:
+            header, records = {}, []
+        if header.get("fingerprint") != self.fingerprint:
+            log.warning("%s belongs to another regeneration; starting over", self.path)
+            self._start()
+            return
+        for r in records:
+            self.records.setdefault(int(r["i"]), r)  # first wins: a resumed run never rewrites a done row
+        if len(good) != len(raw):
+            with open(self.path, "r+b") as f:
+                f.truncate(len(good))
+
+    def _start(self) -> None:
+        atomic_write_bytes(self.path, (json.dumps({"fingerprint": self.fingerprint}) + "\n").encode())
+
+    def append(self, records: list[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+        with open(self.path, "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        for r in records:
+            self.records[int(r["i"])] = r
+
+
+def regenerate(
+    verifier: str,
+    data_path: str | Path,
+    out: str | Path,
+    params: RegenParams,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    batch_size: int = 16,
+    vllm_engine: VllmEngine | None = None,
+    on_progress: Callable[[RegenReport], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    verifier_fp: str | None = None,
+) -> RegenReport:
+    """Rewrite every assistant turn of the chat JSONL `data_path` with the verifier; write `out` (same format).
+
+    Resumes from `OUT.parts` when a run with the same fingerprint was interrupted; returns at once
+    (`reused=True`) when `out` already holds it. `vllm_engine` (engine "vllm") is an engine handle to
+    reuse, else one is started for this call. `should_stop` is checked before each batch of generations.
+    """
+    out = Path(out)
+    data_path = Path(data_path)
+    if not data_path.is_file():
+        raise DataError(
+            f"dataset file {str(data_path)!r} does not exist", code="dataset_not_found", param="data"
+        )
+    source_sha = sha256_file(data_path)
+    verifier_fp = verifier_fp or verifier_fingerprint(verifier, revision)
+    fp = regen_fingerprint(verifier_fp, source_sha, params)
+    prov = read_provenance(out)
+    if prov is not None and prov.get("fingerprint") == fp:
+        return RegenReport(**{**prov["counts"], "fingerprint": fp, "reused": True, "status": "completed"})
+
+    source_format, rows = _read_chat_rows(data_path, params)
+    work = _WorkLog(work_log_path(out), fp)
+    work.load()
+    report = RegenReport(fingerprint=fp, total=len(rows), resumed_from=len(work.records))
+    _fold_counts(report, work.records.values())
+    todo = [(i, row) for i, row in enumerate(rows) if i not in work.records]
+    if todo:
+        tokenizer, generator, close = _open_engine(
+            verifier, params, revision, trust_remote_code, batch_size, vllm_engine
+        )
+        try:
+            for s in range(0, len(todo), batch_size):
+                t0 = time.perf_counter()
+                result = rewrite_conversations(
+                    todo[s : s + batch_size], tokenizer, generator, params, should_stop
+                )
+                if result is None:
+                    report.status = "stopped"
+                    return report
+                convs, generated = result
+                records = [_record(c, source_format) for c in convs]
+                work.append(records)
+                report.generated_tokens += generated
+                report.seconds += time.perf_counter() - t0
+                _fold_counts(report, records)
+                if on_progress is not None:
+                    on_progress(report)
+        finally:
+            close()
+    _finish(out, work, report, source_format, source_sha, verifier, verifier_fp, params)
+    return report
+
+
+def _read_chat_rows(data_path: Path, params: RegenParams) -> tuple[str, list[Row]]:
+    rows: list[Row] = []
+    fmt = "messages"
+    for fmt, row in iter_rows(data_path, params.fmt):
+        if fmt == "tokenized":
+            raise DataError(
+                f"line {row.line}: regeneration needs chat data (messages or sharegpt), not tokenized rows",
+                param="dataset.regenerate",
+            )
+        rows.append(row)
+        if params.max_samples is not None and len(rows) >= params.max_samples:
+            break
+    if not rows:
+        raise DataError(f"{data_path}: the dataset has no rows", param="data")
+    return fmt, rows
+
+
+def _record(c: _Conversation, fmt: str) -> dict[str, Any]:
+    kept = any(m["role"] == "assistant" for m in c.out)
+    counts = dict(c.counts)
+    if not kept:
+        counts["dropped_conversations"] = 1
+    return {
+        "i": c.index,
+        "line": c.row.line,
+        "row": _output_row(c.out, fmt) if kept else None,
+        "counts": counts,
+        "flagged_turns": c.flagged_turns,
+    }
+
+
+def _fold_counts(report: RegenReport, records: Any) -> None:
+    for r in records:
+        report.conversations += 1
+        report.written += r["row"] is not None
+        for key, n in r["counts"].items():
+            setattr(report, key, getattr(report, key) + n)
+
+
+def _open_engine(
+    verifier: str,
+    params: RegenParams,
+    revision: str | None,
+    trust_remote_code: bool,
+    batch_size: int,
+    vllm_engine: VllmEngine | None,
+) -> tuple[Any, Generator, Callable[[], None]]:
+    """(tokenizer, generator, close) for the engine the parameters name."""
+    if params.engine == "vllm":
+        from transformers import AutoTokenizer, GenerationConfig
+
+        from peagle_core.vllm_engine import VllmEngine
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                verifier, revision=revision, trust_remote_code=trust_remote_code
+            )
+            gen_config = GenerationConfig.from_pretrained(verifier, revision=revision)
+        except (OSError, ValueError) as exc:
+            raise VerifierError(
+                f"cannot load verifier {verifier!r}: {exc}", param="verifier.name_or_path"
+            ) from exc
+        engine = vllm_engine or VllmEngine().start()
+        close = (lambda: None) if vllm_engine is not None else engine.close
+        stops = stop_token_ids(tokenizer, gen_config)
+        gen = VllmGenerator(
+            engine, verifier, stops, temperature=params.temperature, seed=params.seed, seq_len=params.seq_len,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+        return tokenizer, gen, close
+    from peagle_core.verifier import Verifier
+
+    v = Verifier.load(verifier, revision=revision, trust_remote_code=trust_remote_code)
+    stops = stop_token_ids(v.tokenizer, getattr(v.model, "generation_config", None))
+    gen = TransformersGenerator(
+        v.model, v.tokenizer, stops, temperature=params.temperature, seed=params.seed, batch_size=batch_size
+    )
+    return v.tokenizer, gen, lambda: None
+
+
+def _finish(
+    out: Path,
+    work: _WorkLog,
+    report: RegenReport,
+    source_format: str,
+    source_sha: str,
+    verifier: str,
+    verifier_fp: str,
+    params: RegenParams,
+) -> None:
+    """Write the output in source order, then the provenance (the completion marker), then drop the log."""
+    records = [work.records[i] for i in sorted(work.records)]
+    if not any(r["row"] is not None for r in records):
+        raise DataError(
+            "regeneration left no conversation to train on (every prompt too long or every answer empty)",
+            param="dataset.regenerate",
+        )
+    data = "".join(json.dumps(r["row"], ensure_ascii=False) + "\n" for r in records if r["row"] is not None)
+    atomic_write_bytes(out, data.encode())
+    flagged = []
+    n = 0
+    for r in records:
+        if r["row"] is not None:
+            flagged += [{"row": n, "source_line": r["line"], "turn": t} for t in r["flagged_turns"]]
+            n += 1
+    counts = {
+        k: v
+        for k, v in report.to_dict().items()
+        if k not in ("status", "reused", "tokens_per_s", "fingerprint")
+    }
+    atomic_write_json(
+        provenance_path(out),
+        {
+            "regen_version": REGEN_VERSION,
+            "fingerprint": report.fingerprint,
+            "verifier": verifier,
+            "verifier_fingerprint": verifier_fp,
+            "source_sha256": source_sha,
+            "source_format": source_format,
+            "output_sha256": sha256_file(out),
+            "params": asdict(params),
+            "counts": counts,
+            "hit_max_new_tokens_turns": flagged,
+        },
+    )
+    work.path.unlink(missing_ok=True)
+
+
+def params_for_spec(spec: JobSpec) -> RegenParams:
+    """The regeneration parameters of a job spec whose `dataset.regenerate` is set."""
+    regen = spec.dataset.regenerate
+    if regen is None:
+        raise ValueError("the spec does not ask for regeneration")
+    return RegenParams(
+        max_new_tokens=regen.max_new_tokens,
+        temperature=regen.temperature,
+        engine=regen.engine,
+        seq_len=spec.dataset.seq_len,
+        fmt=spec.dataset.format,
+        max_samples=spec.dataset.max_samples,
+        seed=spec.training.seed,
+    )
