@@ -135,6 +135,8 @@ def test_dockerfile_installs_the_project() -> None:
 def spec_fields(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str, str]:
     """Every leaf field of the job spec as dotted path -> its default as the README writes it."""
     out = {}
+    # Defaults as the spec serialises them (a field serializer may spell `None` as the user writes it).
+    dumped = model.model_construct().model_dump(mode="json")
     for name, field in model.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
@@ -142,7 +144,7 @@ def spec_fields(model: type[BaseModel] = JobSpec, prefix: str = "") -> dict[str,
         elif field.is_required():
             out[prefix + name] = "required"
         else:
-            out[prefix + name] = f"`{json.dumps(field.get_default(call_default_factory=True))}`"
+            out[prefix + name] = f"`{json.dumps(dumped[name])}`"
     return out
 
 
