@@ -95,6 +95,18 @@ def format_event(event: dict[str, Any]) -> str:
 # -- jobs ----------------------------------------------------------------------------------------
 
 
+def _spec_body(spec_file: Path) -> dict:
+    """SPEC_FILE validated here (errors name the field or line), as the JSON the API takes: only what the
+    file sets, so the server's defaults apply to the rest."""
+    from peagle_core.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as exc:
+        fail(exc.message)
+    return spec.model_dump(mode="json", exclude_unset=True)
+
+
 @jobs_app.command("submit")
 def jobs_submit(
     spec_file: Annotated[Path, typer.Argument(help="Job spec, YAML or JSON (see the README).")],
@@ -106,16 +118,9 @@ def jobs_submit(
     key: KeyOpt = None,
 ) -> None:
     """Validate SPEC_FILE locally (errors name the field or line), then create the job."""
-    from peagle_core.spec import SpecError, load_spec
-
-    try:
-        spec = load_spec(spec_file)
-    except SpecError as exc:
-        fail(exc.message)
+    body = _spec_body(spec_file)
     with connect(url, key) as client:
-        job = client.create_job(
-            spec.model_dump(mode="json", exclude_unset=True), idempotency_key=idempotency_key
-        )
+        job = client.create_job(body, idempotency_key=idempotency_key)
         typer.echo(job["id"])
         if follow:
             _follow(client, job["id"])
@@ -129,14 +134,9 @@ def jobs_plan(
     key: KeyOpt = None,
 ) -> None:
     """Print what SPEC_FILE would cost (counts, cache bytes, steps, time per stage) without creating a job."""
-    from peagle_core.spec import SpecError, load_spec
-
-    try:
-        spec = load_spec(spec_file)
-    except SpecError as exc:
-        fail(exc.message)
+    body = _spec_body(spec_file)
     with connect(url, key) as client:
-        plan = client.plan_job(spec.model_dump(mode="json", exclude_unset=True), recalibrate=recalibrate)
+        plan = client.plan_job(body, recalibrate=recalibrate)
     typer.echo(json.dumps(plan, indent=2))
 
 
