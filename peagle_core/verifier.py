@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,9 @@ class Verifier:
         self.calls = 0
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.final_norm = _find_attr(decoder, ("norm", "final_layernorm", "ln_f"), "final norm")
-        self._captured_last: torch.Tensor | None = None
+        # Per thread: the trainer's batch loader runs the verifier in its own thread while the main thread
+        # evaluates with it, and each forward must read back its own final-norm input.
+        self._captured = threading.local()
         self.final_norm.register_forward_pre_hook(self._capture_norm_input)
 
     # ------------------------------------------------------------ loading
@@ -170,7 +173,7 @@ class Verifier:
     # ------------------------------------------------------------ forward passes
 
     def _capture_norm_input(self, _module: Any, args: tuple[Any, ...]) -> None:
-        self._captured_last = args[0]
+        self._captured.last = args[0]
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, want_logits: bool):
         import torch
@@ -179,7 +182,7 @@ class Verifier:
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
         self.calls += 1
-        self._captured_last = None
+        self._captured.last = None
         with torch.inference_mode():
             if want_logits:
                 out = self.model(
@@ -192,8 +195,8 @@ class Verifier:
                 out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
                 logits = None
             aux = torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
-            last = self._captured_last
-            self._captured_last = None
+            last = self._captured.last
+            self._captured.last = None
         if last is None:
             raise VerifierError("the verifier's final norm was not called; unsupported architecture")
         return logits, aux, last

@@ -52,6 +52,23 @@ def test_padded_batch_matches_single_sequences(toy_verifier: Verifier) -> None:
     torch.testing.assert_close(last[1, :3], last_b[0], rtol=1e-5, atol=1e-5)
 
 
+def test_two_threads_share_one_verifier(toy_verifier: Verifier) -> None:
+    # The trainer's batch loader runs the verifier in its thread while the main thread evaluates with it:
+    # each forward must get its own final-norm input back (a job once failed "final norm was not called").
+    from concurrent.futures import ThreadPoolExecutor
+
+    ids = torch.randint(8, toy_verifier.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    want_aux, want_last = toy_verifier.hidden_states(ids)
+
+    def run(_: int) -> bool:
+        aux, last = toy_verifier.hidden_states(ids)
+        _, aux2 = toy_verifier.logits(ids)
+        return torch.equal(aux, want_aux) and torch.equal(last, want_last) and torch.equal(aux2, want_aux)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert all(pool.map(run, range(64)))
+
+
 def test_fingerprint_is_stable_and_weight_sensitive(toy_verifier: Verifier, toy_verifier_dir: Path) -> None:
     fp = toy_verifier.fingerprint
     assert len(fp) == 64 and fp == toy_verifier.fingerprint

@@ -257,8 +257,10 @@ def test_dashboard_end_to_end(
         "() => document.getElementById('chart-loss')?.data?.[0]?.x.length > 0", timeout=JOB_TIMEOUT_MS
     )
     page.get_by_role("button", name="Cancel job").click()
-    page.wait_for_selector("#job-status[data-status='cancelled']", timeout=JOB_TIMEOUT_MS)
-    assert client.get_job(long)["status"] == "cancelled"
+    # Any end state ends the wait, so a job that failed instead says so at once, with its error.
+    ended = ", ".join(f"#job-status[data-status='{s}']" for s in ("cancelled", "failed", "succeeded"))
+    page.wait_for_selector(ended, timeout=JOB_TIMEOUT_MS)
+    assert client.get_job(long)["status"] == "cancelled", client.get_job(long)["error"]
 
     # The second job finished before the long one started: compare the two.
     assert client.get_job(second)["status"] == "succeeded"
