@@ -158,71 +158,11 @@ class VllmEngine:
         gpu_memory_utilization: float | None = None,
         trust_remote_code: bool = False,
         revision: str | None = None,
-    ) -> VllmRun:
-        """Greedy generation of `max_new_tokens` (or up to EOS) per prompt, with K drafted tokens per step
-        from `drafter` (a P-EAGLE checkpoint directory) when given. Raises VllmError with vLLM's message."""
-        return self._generate(
-            verifier,
-            prompts,
-            max_new_tokens,
-            drafter=drafter,
-            k=k,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
-            trust_remote_code=trust_remote_code,
-            revision=revision,
-        )
-
-    def sample(
-        self,
-        verifier: str,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        *,
-        temperature: float = 0.0,
-        stop_token_ids: list[int] | None = None,
-        seed: int = 0,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        trust_remote_code: bool = False,
-        revision: str | None = None,
-    ) -> VllmRun:
-        """Generation without a drafter at `temperature` (0: greedy), stopping at EOS or any of
-        `stop_token_ids`; `finish_reasons` says per prompt whether it stopped or ran out of tokens."""
-        sampling = {
-            "temperature": float(temperature),
-            "stop_token_ids": list(stop_token_ids or []),
-            "seed": seed,
-        }
-        return self._generate(
-            verifier,
-            prompts,
-            max_new_tokens,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            trust_remote_code=trust_remote_code,
-            revision=revision,
-            sampling=sampling,
-        )
-
-    def _generate(
-        self,
-        verifier: str,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        *,
-        drafter: str | None = None,
-        k: int | None = None,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        enforce_eager: bool = True,
-        gpu_memory_utilization: float | None = None,
-        trust_remote_code: bool = False,
-        revision: str | None = None,
         sampling: dict[str, Any] | None = None,
     ) -> VllmRun:
+        """Greedy generation of `max_new_tokens` (or up to EOS) per prompt, with K drafted tokens per step
+        from `drafter` (a P-EAGLE checkpoint directory) when given. `sampling` adds vLLM SamplingParams
+        fields (`sample` uses it; None is greedy). Raises VllmError with vLLM's message."""
         if drafter is not None and not k:
             raise ValueError("a drafter needs k (speculative tokens per step)")
         longest = max((len(p) for p in prompts), default=1)
@@ -253,6 +193,38 @@ class VllmEngine:
         if "error" in reply:
             raise VllmError(reply["error"], phase=reply["phase"])
         return VllmRun(**reply["run"])
+
+    def sample(
+        self,
+        verifier: str,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        stop_token_ids: list[int] | None = None,
+        seed: int = 0,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        trust_remote_code: bool = False,
+        revision: str | None = None,
+    ) -> VllmRun:
+        """Generation without a drafter at `temperature` (0: greedy), stopping at EOS or any of
+        `stop_token_ids`; `finish_reasons` says per prompt whether it stopped or ran out of tokens."""
+        sampling = {
+            "temperature": float(temperature),
+            "stop_token_ids": list(stop_token_ids or []),
+            "seed": seed,
+        }
+        return self.generate(
+            verifier,
+            prompts,
+            max_new_tokens,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            trust_remote_code=trust_remote_code,
+            revision=revision,
+            sampling=sampling,
+        )
 
     def _request(self, message: dict[str, Any]) -> dict[str, Any]:
         self.start()
