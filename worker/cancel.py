@@ -64,6 +64,16 @@ class JobMonitor:
     def should_stop(self) -> bool:
         return self.cancel_requested.is_set() or self.lost.is_set() or self.preempted.is_set()
 
+    def should_stop_now(self) -> bool:
+        """`should_stop`, after reading the job row here and now: for stages whose units of work are long
+        (a batch of generations), so no unit starts after a cancel that is already committed. A failed
+        read falls back to the flags; the poller retries."""
+        try:
+            self.check_now()
+        except Exception as exc:
+            log.warning("job monitor for %s: database check failed: %s", self.job_id, exc)
+        return self.should_stop()
+
     def stop_on_signal(self, signum: int = PREEMPT_SIGNAL) -> None:
         """Treat `signum` as "the worker is shutting down": stop at the next step with a checkpoint.
 

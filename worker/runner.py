@@ -249,7 +249,7 @@ class JobRunner:
                 enter_stage=lambda stage, data: self._enter(stage, progress, "regenerating answers", **data),
                 event=self._event,
                 on_progress=lambda p: progress.set_fields(regenerate=p, eta_s=p["eta_s"]),
-                should_stop=monitor.should_stop,
+                should_stop=monitor.should_stop_now,
             )
             if regenerated is None:
                 return Outcome(status="stopped", step=0, export_dir=None, checkpoint_dir=None, metrics={})

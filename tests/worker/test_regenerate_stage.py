@@ -63,7 +63,9 @@ def test_cancel_during_regeneration_stops_cleanly_and_the_next_job_resumes(
         logs = list(Path(stack.settings.artifact_root).glob("regenerated/*/data.jsonl.parts"))
         return bool(logs) and logs[0].read_bytes().count(b"\n") >= 2  # the header and a conversation
 
-    # cancel as soon as the work log shows progress, while most conversations are still to do
+    # Cancel as soon as the work log shows progress, while most conversations are still to do. The stage
+    # reads the job row before each batch (not only the monitor's flag, which lags by a poll), so the
+    # cancel stops it at the next batch however fast this machine generates.
     stack.wait_for("the first regenerated conversations", first_batch_appended, timeout=300, every=0.01)
     with stack.sessions() as s:
         assert jobstate.transition(s, job_id, "cancelling", expect=("running",), event="cancel requested")
