@@ -4,8 +4,9 @@ import cycle, and only service/crud writes rows."""
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 import grimp
 from importlinter.cli import lint_imports
@@ -20,57 +21,39 @@ def test_import_linter_contracts_are_kept() -> None:
     assert exit_code == 0, "an import-linter contract of pyproject.toml is broken (see stdout)"
 
 
-def strongly_connected(edges: dict[str, set[str]]) -> Iterator[list[str]]:
-    """Tarjan's strongly connected components of a directed graph, iteratively (no recursion limit)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    for root in sorted(edges):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(edges[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, successors = work[-1]
-            for succ in successors:
-                if succ not in index:
-                    index[succ] = low[succ] = len(index)
-                    stack.append(succ)
-                    on_stack.add(succ)
-                    work.append((succ, iter(sorted(edges.get(succ, ())))))
-                    break
-                if succ in on_stack:
-                    low[node] = min(low[node], index[succ])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    yield sorted(component)
+def _load_layout_bench() -> Any:
+    """bench/layout.py, whose graph code this test shares (bench/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("layout_bench", ROOT / "bench" / "layout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+layout = _load_layout_bench()
 
 
 def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:
-    """Every set of modules that import each other, directly or around a loop (a module importing
-    itself counts too)."""
-    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
-    return [c for c in strongly_connected(edges) if len(c) > 1 or c[0] in edges[c[0]]]
+    return layout.cycles({m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules})
 
 
 def test_strongly_connected_finds_loops_and_only_loops() -> None:
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"d"}}
-    components = list(strongly_connected(edges))
+    components = list(layout.strongly_connected(edges))
     assert ["a", "b", "c"] in components and ["e"] in components
     assert sorted(len(c) for c in components) == [1, 1, 1, 3]
+    assert sorted(layout.cycles(edges)) == [["a", "b", "c"], ["e"]]
+
+
+def test_layout_bench_counts_upward_imports_and_repeated_blocks(tmp_path: Path) -> None:
+    edges = {"service.app": {"worker.store", "peagle_core.spec"}, "cli.main": {"service.app"}}
+    assert layout.cross_layer_imports(edges) == ["service.app -> worker.store"]
+    body = "".join(f"    total += value_{i} * {i}\n" for i in range(7))
+    (tmp_path / "service").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "service" / f"{name}.py").write_text(
+            f"def {name}():\n    total = 0\n{body}    return total\n"
+        )
+    assert layout.repeated_blocks(tmp_path) == ["service/a.py:2-10 ~ service/b.py:2-10"]
 
 
 def test_no_import_cycles() -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +15,11 @@ JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "c
 
 class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries: each status code answers with the error envelope."""
+    return {code: {"model": ErrorEnvelope} for code in codes}
 
 
 def id_links(param: str, *operation_ids: str, source: str = "$response.body#/id") -> dict[str, Any]:
@@ -92,6 +98,11 @@ class Job(_Out):
 class Page(BaseModel):
     has_more: bool
     next_cursor: str | None = Field(default=None, description="Pass as `after` to get the next page.")
+
+    @classmethod
+    def of(cls, rows: Sequence[Any], has_more: bool, **extra: Any) -> Self:
+        """A page of rows (`data` validated as the list's item type); the cursor is the last row's id."""
+        return cls(data=rows, has_more=has_more, next_cursor=str(rows[-1].id) if has_more else None, **extra)
 
 
 class JobList(Page):

@@ -52,53 +52,43 @@ def _fenced(job_id: str, attempt: int) -> tuple[Any, ...]:
     return (Job.id == job_id, Job.attempt == attempt, Job.status.in_(ACTIVE_STATUSES))
 
 
+def _update_if_held(session: Session, job_id: str, attempt: int, **values: Any) -> bool:
+    """Set `values` on the job if `attempt` still holds it; the caller commits. The UPDATE also locks
+    the row, fencing the caller's inserts in this transaction."""
+    result = session.execute(
+        update(Job)
+        .where(*_fenced(job_id, attempt))
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
 def hold(session: Session, job_id: str, attempt: int) -> bool:
     """Fence the rows a worker is about to insert (metrics, events) in this transaction: lock the job row
     if `attempt` still holds it. A claim that would take the job waits for this transaction, so nothing
     the caller adds before committing can land after a newer attempt started. False: not ours any more."""
-    result = session.execute(
-        update(Job)
-        .where(*_fenced(job_id, attempt))
-        .values(updated_at=db_now_sql(session))
-        .execution_options(synchronize_session=False)
-    )
-    return result.rowcount == 1
+    return _update_if_held(session, job_id, attempt, updated_at=db_now_sql(session))
 
 
 def set_progress(session: Session, job_id: str, progress: dict[str, Any], *, attempt: int) -> bool:
     """Replace the job's progress (stage, step, total_steps, eta_s) if `attempt` still holds it, which
     also fences the caller's inserts as `hold` does (the caller commits). False: not ours any more."""
-    result = session.execute(
-        update(Job)
-        .where(*_fenced(job_id, attempt))
-        .values(progress=progress, updated_at=db_now_sql(session))
-        .execution_options(synchronize_session=False)
-    )
-    return result.rowcount == 1
+    return _update_if_held(session, job_id, attempt, progress=progress, updated_at=db_now_sql(session))
 
 
 def heartbeat(session: Session, job_id: str, attempt: int) -> bool:
     """Stamp `heartbeat_at` with the database's clock if `attempt` still holds the job (the caller
     commits); False when the job is no longer its own."""
-    result = session.execute(
-        update(Job)
-        .where(*_fenced(job_id, attempt))
-        .values(heartbeat_at=db_now_sql(session))
-        .execution_options(synchronize_session=False)
-    )
-    return result.rowcount == 1
+    return _update_if_held(session, job_id, attempt, heartbeat_at=db_now_sql(session))
 
 
 def set_resume_point(session: Session, job_id: str, attempt: int, uri: str, step: int) -> bool:
     """Record the newest training checkpoint mirrored to the artifact store (the caller commits). Only
     the attempt holding the job may move it, so a stale worker can never point a resume at its files."""
-    result = session.execute(
-        update(Job)
-        .where(*_fenced(job_id, attempt))
-        .values(resume_uri=uri, resume_step=step, updated_at=db_now_sql(session))
-        .execution_options(synchronize_session=False)
+    return _update_if_held(
+        session, job_id, attempt, resume_uri=uri, resume_step=step, updated_at=db_now_sql(session)
     )
-    return result.rowcount == 1
 
 
 def get_job(session: Session, project_id: str, job_id: str) -> Job | None:

@@ -61,12 +61,7 @@ def metrics(
     if jobs_crud.get_job(db, project.id, job_id) is None:
         raise not_found("job", job_id)
     rows, has_more = metrics_crud.metrics_after(db, job_id, after, limit)
-    return MetricPage(
-        data=[schemas.MetricPoint.model_validate(m) for m in rows],
-        has_more=has_more,
-        next_cursor=str(rows[-1].id) if has_more else None,
-        cursor=rows[-1].id if rows else after,
-    )
+    return MetricPage.of(rows, has_more, cursor=rows[-1].id if rows else after)
 
 
 @router.get("/data/jobs/{job_id}/events")

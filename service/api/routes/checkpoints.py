@@ -21,7 +21,7 @@ from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_r
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
-_ERRORS = {401: {"model": schemas.ErrorEnvelope}, 404: {"model": schemas.ErrorEnvelope}}
+_ERRORS = schemas.error_responses(401, 404)
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
@@ -118,7 +118,7 @@ def _unsatisfiable(size: int) -> ApiError:
         **_ERRORS,
         200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
         206: {"description": "Partial content (single byte range)."},
-        416: {"model": schemas.ErrorEnvelope},
+        **schemas.error_responses(416),
     },
     response_class=StreamingResponse,
     summary="Download one checkpoint file (HTTP Range supported)",

@@ -25,7 +25,7 @@ from service.lifecycle import delete_dataset as delete_dataset_files_and_row
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
-_ERRORS = {401: {"model": schemas.ErrorEnvelope}, 404: {"model": schemas.ErrorEnvelope}}
+_ERRORS = schemas.error_responses(401, 404)
 _UPLOAD_BODY = {
     "requestBody": {
         "required": True,
@@ -57,10 +57,7 @@ def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
     responses={
         **_ERRORS,
         201: schemas.id_links("dataset_id", *schemas.DATASET_OPS),
-        403: {"model": schemas.ErrorEnvelope},
-        413: {"model": schemas.ErrorEnvelope},
-        415: {"model": schemas.ErrorEnvelope},
-        422: {"model": schemas.ErrorEnvelope},
+        **schemas.error_responses(403, 413, 415, 422),
     },
     openapi_extra=_UPLOAD_BODY,
     summary="Upload a JSONL dataset",
@@ -151,11 +148,7 @@ def list_datasets(
     if page is None:
         raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
     rows, has_more = page
-    return schemas.DatasetList(
-        data=[schemas.Dataset.model_validate(d) for d in rows],
-        has_more=has_more,
-        next_cursor=rows[-1].id if has_more else None,
-    )
+    return schemas.DatasetList.of(rows, has_more)
 
 
 @router.get("/{dataset_id}", response_model=schemas.Dataset, responses=_ERRORS, summary="Inspect a dataset")
@@ -169,7 +162,7 @@ def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dat
 @router.delete(
     "/{dataset_id}",
     response_model=schemas.Deleted,
-    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    responses={**_ERRORS, **schemas.error_responses(409)},
     summary="Delete a dataset (its file, then its row)",
     description="A dataset that a queued or running job will read answers 409 naming the job.",
 )

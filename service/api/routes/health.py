@@ -40,7 +40,7 @@ def _check(sessions: Sessions, redis: RedisConn) -> tuple[str, str] | None:
 @router.get(
     "/readyz",
     response_model=schemas.Readiness,
-    responses={503: {"model": schemas.ErrorEnvelope}},
+    responses=schemas.error_responses(503),
     summary="Readiness: the database and Redis answer",
 )
 async def readyz(sessions: Sessions, redis: RedisConn) -> schemas.Readiness | JSONResponse:

@@ -33,11 +33,7 @@ from service.queue import enqueue_run
 log = logging.getLogger("peagle.api")
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-_ERRORS = {
-    401: {"model": schemas.ErrorEnvelope},
-    404: {"model": schemas.ErrorEnvelope},
-    422: {"model": schemas.ErrorEnvelope},
-}
+_ERRORS = schemas.error_responses(401, 404, 422)
 
 
 def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
@@ -54,10 +50,7 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
     responses={
         **_ERRORS,
         201: schemas.id_links("job_id", *schemas.JOB_OPS),
-        403: {"model": schemas.ErrorEnvelope},
-        409: {"model": schemas.ErrorEnvelope},
-        413: {"model": schemas.ErrorEnvelope},
-        429: {"model": schemas.ErrorEnvelope},
+        **schemas.error_responses(403, 409, 413, 429),
     },
     summary="Create a training job",
     description='Body: `{"spec": JobSpec}`. The spec is validated (errors name the field, e.g. '
@@ -164,11 +157,7 @@ def list_jobs(
     if page is None:
         raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
     rows, has_more = page
-    return schemas.JobList(
-        data=[schemas.Job.model_validate(j) for j in rows],
-        has_more=has_more,
-        next_cursor=rows[-1].id if has_more else None,
-    )
+    return schemas.JobList.of(rows, has_more)
 
 
 @router.get("/{job_id}", response_model=schemas.Job, responses=_ERRORS, summary="Inspect a job")
@@ -179,7 +168,7 @@ def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
 @router.post(
     "/{job_id}/cancel",
     response_model=schemas.Job,
-    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    responses={**_ERRORS, **schemas.error_responses(409)},
     summary="Cancel a job",
     description="A queued job is cancelled at once. A running job becomes `cancelling`: the worker saves "
     "a checkpoint and stops (hard stop after the grace period). A finished job answers 409.",
@@ -209,7 +198,7 @@ def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -
 @router.delete(
     "/{job_id}",
     response_model=schemas.Deleted,
-    responses={**_ERRORS, 409: {"model": schemas.ErrorEnvelope}},
+    responses={**_ERRORS, **schemas.error_responses(409)},
     summary="Delete a finished job, its checkpoints and its files",
     description="Only a succeeded, failed or cancelled job can be deleted (409 otherwise). Its published "
     "checkpoints and work files are removed from the artifact store first, then its rows.",
@@ -274,11 +263,7 @@ def job_events(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     rows, has_more = events_crud.events_after(db, job_id, after, limit)
-    return schemas.EventList(
-        data=[schemas.Event.model_validate(e) for e in rows],
-        has_more=has_more,
-        next_cursor=str(rows[-1].id) if has_more else None,
-    )
+    return schemas.EventList.of(rows, has_more)
 
 
 class _SlotStream(StreamingResponse):
@@ -354,11 +339,7 @@ def job_metrics(
 ) -> schemas.MetricList:
     _job_or_404(db, project.id, job_id)
     rows, has_more = metrics_crud.metrics_after(db, job_id, after, limit)
-    return schemas.MetricList(
-        data=[schemas.MetricPoint.model_validate(m) for m in rows],
-        has_more=has_more,
-        next_cursor=str(rows[-1].id) if has_more else None,
-    )
+    return schemas.MetricList.of(rows, has_more)
 
 
 @router.get(

@@ -25,12 +25,7 @@ _POLL_S = 0.2
 
 @router.post(
     "/plan",
-    responses={
-        401: {"model": schemas.ErrorEnvelope},
-        422: {"model": schemas.ErrorEnvelope},
-        502: {"model": schemas.ErrorEnvelope},
-        503: {"model": schemas.ErrorEnvelope},
-    },
+    responses=schemas.error_responses(401, 422, 502, 503),
     summary="Plan a job without creating it",
     description='Body: the same `{"spec": JobSpec}` as `POST /v1/jobs`; no job is created or queued. A worker '
     "of the spec's queue prepares the data and returns counts after preparation, cache bytes per dtype "

@@ -20,8 +20,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 @router.get(
     "/{job_id}/tensorboard",
     responses={
-        401: {"model": schemas.ErrorEnvelope},
-        404: {"model": schemas.ErrorEnvelope},
+        **schemas.error_responses(401, 404),
         200: {"content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}}},
     },
     response_class=StreamingResponse,

@@ -1,0 +1,285 @@
+"""Layout figures of a source tree, one JSON line each: longest files, import cycles, cross-layer imports,
+repeated blocks of six or more lines, and the places that write each kind of database row.
+
+    python bench/layout.py                 # this checkout
+    python bench/layout.py --root /tmp/old # another checkout, e.g. `git worktree add /tmp/old <rev>`
+
+The layers are docs/architecture.md's: peagle_core <- service <- worker <- client <- cli. A tree from
+before `client/` and `cli/` existed is measured the same way (its packages are whichever of the five exist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Lowest layer first: a module may import from its own layer or a lower one.
+LAYERS = ("peagle_core", "service", "worker", "client", "cli")
+BLOCK = 6  # lines in a repeated block
+WRITE_FUNCS = {"insert", "update", "delete", "pg_insert", "sqlite_insert"}
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def source_files(root: Path) -> list[Path]:
+    return sorted(p for pkg in LAYERS if (root / pkg).is_dir() for p in (root / pkg).rglob("*.py"))
+
+
+def longest_files(root: Path, n: int = 5) -> list[tuple[str, int]]:
+    sizes = [(str(p.relative_to(root)), len(p.read_text().splitlines())) for p in source_files(root)]
+    return sorted(sizes, key=lambda s: -s[1])[:n]
+
+
+# -- imports -------------------------------------------------------------------------------------------
+
+_GRAPH_SCRIPT = """
+import json, sys, grimp
+pkgs = [p for p in sys.argv[1:]]
+g = grimp.build_graph(*pkgs, exclude_type_checking_imports=False, cache_dir=None)
+print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))
+"""
+
+
+def import_edges(root: Path) -> dict[str, set[str]]:
+    """Module -> modules it imports directly (TYPE_CHECKING imports included), built by grimp in a child
+    process whose path starts at `root`, so another checkout's packages are the ones found."""
+    pkgs = [p for p in LAYERS if (root / p / "__init__.py").is_file()]
+    out = subprocess.run(
+        [sys.executable, "-c", _GRAPH_SCRIPT, *pkgs],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {m: set(v) for m, v in json.loads(out).items()}
+
+
+def strongly_connected(edges: dict[str, set[str]]) -> Iterator[list[str]]:
+    """Tarjan's strongly connected components of a directed graph, iteratively (no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    for root in sorted(edges):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(sorted(edges[root])))]
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(edges.get(succ, ())))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    yield sorted(component)
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other, directly or around a loop (a module importing itself
+    counts too)."""
+    return [c for c in strongly_connected(edges) if len(c) > 1 or c[0] in edges.get(c[0], ())]
+
+
+def package_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Cycles between the top-level packages themselves (e.g. service <-> worker)."""
+    top: dict[str, set[str]] = defaultdict(set)
+    for importer, imported in edges.items():
+        for target in imported:
+            a, b = importer.split(".")[0], target.split(".")[0]
+            if a != b:
+                top[a].add(b)
+            top.setdefault(b, set())
+    return cycles(dict(top))
+
+
+def cross_layer_imports(edges: dict[str, set[str]]) -> list[str]:
+    """Module imports that point up the layers (a lower layer importing a higher one)."""
+    rank = {p: i for i, p in enumerate(LAYERS)}
+    return sorted(
+        f"{importer} -> {target}"
+        for importer, imported in edges.items()
+        for target in imported
+        if rank[importer.split(".")[0]] < rank[target.split(".")[0]]
+    )
+
+
+# -- repeated blocks -------------------------------------------------------------------------------------
+
+_SKIP = re.compile(r"^(#|import |from \S+ import |@|\)|\]|\}|\)?:$|pass$|else:$|try:$|finally:$|\"\"\"|''')")
+
+
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, stripped text) of the lines that carry code: no blanks, comments, imports, lone
+    brackets or docstring fences, which would make any two files look alike."""
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        text = line.strip()
+        if text and not _SKIP.match(text):
+            out.append((number, text))
+    return out
+
+
+def repeated_blocks(root: Path) -> list[str]:
+    """Maximal runs of >= BLOCK consecutive code lines that stand the same (after stripping) in two places.
+
+    Windows of BLOCK lines are hashed; two places sharing a window and then the next one (the same offset
+    between them) belong to one block, so a 20-line copy counts once, not fifteen times.
+    """
+    files = {str(p.relative_to(root)): _code_lines(p) for p in source_files(root)}
+    windows: dict[tuple[str, ...], list[tuple[str, int]]] = defaultdict(list)
+    for name, lines in files.items():
+        for i in range(len(lines) - BLOCK + 1):
+            windows[tuple(t for _, t in lines[i : i + BLOCK])].append((name, i))
+    diagonals: dict[tuple[str, str, int], list[int]] = defaultdict(list)
+    for places in windows.values():
+        if len(places) < 2:
+            continue
+        for a in range(len(places)):
+            for b in range(a + 1, len(places)):
+                (fa, ia), (fb, ib) = places[a], places[b]
+                if (fa, ia) > (fb, ib):
+                    (fa, ia), (fb, ib) = (fb, ib), (fa, ia)
+                if fa == fb and ib - ia < BLOCK:
+                    continue  # a run repeating itself (e.g. a table of similar rows) overlaps
+                diagonals[(fa, fb, ib - ia)].append(ia)
+    blocks = []
+    for (fa, fb, offset), starts in diagonals.items():
+        starts.sort()
+        run_start = prev = starts[0]
+        for s in [*starts[1:], None]:
+            if s is not None and s == prev + 1:
+                prev = s
+                continue
+            first, last = files[fa][run_start][0], files[fa][prev + BLOCK - 1][0]
+            other_first = files[fb][run_start + offset][0]
+            other_last = files[fb][prev + offset + BLOCK - 1][0]
+            blocks.append(f"{fa}:{first}-{last} ~ {fb}:{other_first}-{other_last}")
+            if s is not None:
+                run_start = prev = s
+    return sorted(blocks)
+
+
+# -- row writers -----------------------------------------------------------------------------------------
+
+
+def row_classes(root: Path) -> set[str]:
+    """Classes with a __tablename__: the ORM's row types, wherever the tree defines them."""
+    names = set()
+    for path in source_files(root):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(s, ast.Assign)
+                and any(getattr(t, "id", None) == "__tablename__" for t in s.targets)
+                for s in node.body
+            ):
+                names.add(node.name)
+    return names
+
+
+def _written_class(call: ast.Call, classes: set[str]) -> str | None:
+    func = call.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    if name in classes and isinstance(func, ast.Name):
+        return name  # Job(...): a new row
+    if (
+        name in WRITE_FUNCS
+        and call.args
+        and isinstance(call.args[0], ast.Name)
+        and call.args[0].id in classes
+    ):
+        return call.args[0].id  # update(Job) / insert(JobEvent) / delete(ApiKey)
+    if name in {"update", "delete"} and isinstance(func, ast.Attribute):
+        # session.query(Job).filter(...).update(...): the query's first argument is the row type
+        inner = func.value
+        while isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+            if inner.func.attr == "query" and inner.args and isinstance(inner.args[0], ast.Name):
+                return inner.args[0].id if inner.args[0].id in classes else None
+            inner = inner.func.value
+    return None
+
+
+def row_writers(root: Path) -> dict[str, list[str]]:
+    """Row type -> the functions (file:function) that build or update/insert/delete rows of it."""
+    classes = row_classes(root)
+    writers: dict[str, set[str]] = defaultdict(set)
+    for path in source_files(root):
+        rel = str(path.relative_to(root))
+        tree = ast.parse(path.read_text())
+        scopes: list[tuple[ast.AST, str]] = [(tree, "<module>")]
+        while scopes:
+            scope, name = scopes.pop()
+            for node in ast.iter_child_nodes(scope):
+                stack = [node]
+                while stack:
+                    n = stack.pop()
+                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
+                        scopes.append((n, n.name if name == "<module>" else f"{name}.{n.name}"))
+                        continue
+                    if isinstance(n, ast.ClassDef):
+                        scopes.append((n, n.name))
+                        continue
+                    if isinstance(n, ast.Call) and (cls := _written_class(n, classes)):
+                        writers[cls].add(f"{rel}:{name}")
+                    stack.extend(ast.iter_child_nodes(n))
+    return {cls: sorted(writers[cls]) for cls in sorted(classes)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--label", default=None, help="tag every line with this (e.g. before/after)")
+    parser.add_argument("--verbose", action="store_true", help="list every cycle, import, block and writer")
+    args = parser.parse_args()
+    root = args.root.resolve()
+    label = args.label or root.name
+    edges = import_edges(root)
+    found_cycles = cycles(edges)
+    crossing = cross_layer_imports(edges)
+    blocks = repeated_blocks(root)
+    writers = row_writers(root)
+    emit(tree=label, measure="longest_files", files=dict(longest_files(root)))
+    emit(tree=label, measure="import_cycles", count=len(found_cycles), package_cycles=package_cycles(edges),
+         cycles=found_cycles if args.verbose else [" <-> ".join(c[:4]) for c in found_cycles])  # fmt: skip
+    emit(tree=label, measure="cross_layer_imports", count=len(crossing),
+         imports=crossing if args.verbose else crossing[:10])  # fmt: skip
+    emit(tree=label, measure="repeated_blocks", min_lines=BLOCK, count=len(blocks),
+         blocks=blocks if args.verbose else blocks[:10])  # fmt: skip
+    emit(tree=label, measure="row_writers", places={cls: len(w) for cls, w in writers.items()},
+         outside_crud={cls: [w for w in ws if not w.startswith("service/crud/")] for cls, ws in writers.items()},
+         writers=writers if args.verbose else None)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
