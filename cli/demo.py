@@ -109,7 +109,7 @@ def demo(
         str, typer.Option(help="Toy verifier size: default, or test (seconds, for tests).")
     ] = "default",
     port: Annotated[
-        int | None, typer.Option(help="Port for the server it starts [default: a free one].")
+        int | None, typer.Option(help="Port for the server it starts (default: a free one).")
     ] = None,
     timeout_s: Annotated[float, typer.Option(help="Give up waiting for the job after this long.")] = 3600,
 ) -> None:

@@ -19,8 +19,11 @@ from client.sdk import ClientError, PeagleClient
 from peagle_core.cli.common import fail
 
 UrlOpt = Annotated[
-    str | None, typer.Option("--url", envvar="PEAGLE_URL", help=f"API base URL [default: {DEFAULT_URL}].")
+    str | None, typer.Option("--url", envvar="PEAGLE_URL", help=f"API base URL (default: {DEFAULT_URL}).")
 ]
+JobId = Annotated[str, typer.Argument(help="A job id, as `jobs submit` and `jobs list` print it.")]
+CheckpointId = Annotated[str, typer.Argument(help="A checkpoint id, as `checkpoints list` prints it.")]
+DatasetId = Annotated[str, typer.Argument(help="A dataset id, as `datasets upload` prints it.")]
 KeyOpt = Annotated[
     str | None,
     typer.Option("--key", envvar="PEAGLE_API_KEY", help="API key (bearer).", show_default=False),
@@ -154,7 +157,7 @@ def jobs_list(
 
 
 @jobs_app.command("get")
-def jobs_get(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+def jobs_get(job_id: JobId, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """Print a job as JSON: status, timestamps, attempt, progress, error, resolved spec."""
     with connect(url, key) as client:
         _echo_json(client.get_job(job_id))
@@ -162,7 +165,7 @@ def jobs_get(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
 
 @jobs_app.command("logs")
 def jobs_logs(
-    job_id: str,
+    job_id: JobId,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
     url: UrlOpt = None,
     key: KeyOpt = None,
@@ -194,7 +197,7 @@ def _follow(client: PeagleClient, job_id: str) -> None:
 
 
 @jobs_app.command("cancel")
-def jobs_cancel(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+def jobs_cancel(job_id: JobId, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """Ask a job to stop; a running job saves a checkpoint first."""
     with connect(url, key) as client:
         job = client.cancel_job(job_id)
@@ -202,7 +205,7 @@ def jobs_cancel(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
 
 
 @jobs_app.command("delete")
-def jobs_delete(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+def jobs_delete(job_id: JobId, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """Delete a finished job, its checkpoints and its files."""
     with connect(url, key) as client:
         client.delete_job(job_id)
@@ -213,7 +216,7 @@ def jobs_delete(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
 
 
 @checkpoints_app.command("list")
-def checkpoints_list(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+def checkpoints_list(job_id: JobId, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """List a job's published checkpoints."""
     with connect(url, key) as client:
         rows = client.list_checkpoints(job_id).get("data", [])
@@ -221,7 +224,7 @@ def checkpoints_list(job_id: str, url: UrlOpt = None, key: KeyOpt = None) -> Non
 
 
 @checkpoints_app.command("delete")
-def checkpoints_delete(checkpoint_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+def checkpoints_delete(checkpoint_id: CheckpointId, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """Delete a published checkpoint and its files."""
     with connect(url, key) as client:
         client.delete_checkpoint(checkpoint_id)
@@ -230,7 +233,7 @@ def checkpoints_delete(checkpoint_id: str, url: UrlOpt = None, key: KeyOpt = Non
 
 @checkpoints_app.command("download")
 def checkpoints_download(
-    checkpoint_id: str,
+    checkpoint_id: CheckpointId,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the checkpoint into.")],
     url: UrlOpt = None,
     key: KeyOpt = None,
@@ -262,7 +265,7 @@ def download_with_progress(client: PeagleClient, checkpoint_id: str, out: Path) 
 @datasets_app.command("upload")
 def datasets_upload(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A JSONL chat file.")],
-    name: Annotated[str | None, typer.Option(help="File name to record [default: FILE's name].")] = None,
+    name: Annotated[str | None, typer.Option(help="File name to record (default: FILE's name).")] = None,
     url: UrlOpt = None,
     key: KeyOpt = None,
 ) -> None:
@@ -281,7 +284,7 @@ def datasets_list(url: UrlOpt = None, key: KeyOpt = None) -> None:
 
 
 @datasets_app.command("delete")
-def datasets_delete(dataset_id: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
+def datasets_delete(dataset_id: DatasetId, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """Delete an uploaded dataset (refused while an unfinished job uses it)."""
     with connect(url, key) as client:
         client.delete_dataset(dataset_id)

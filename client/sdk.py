@@ -179,9 +179,11 @@ class PeagleClient:
     ) -> dict[str, Any]:
         return self._json("GET", "/v1/jobs", params=self._params(status=status, limit=limit, after=after))
 
-    def iter_jobs(self, *, status: str | None = None) -> Iterator[dict[str, Any]]:
-        """Every job of the project, following the cursor across pages."""
-        return self._paginate("/v1/jobs", status=status)
+    def iter_jobs(
+        self, *, status: str | None = None, page_size: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Every job of the project, newest first, following the cursor across pages of `page_size`."""
+        return self._paginate("/v1/jobs", status=status, limit=page_size)
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/jobs/{job_id}")

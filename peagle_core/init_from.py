@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from peagle_core.config import PEagleConfig
+from peagle_core.config import DrafterSettings, PEagleConfig
 from peagle_core.errors import CheckpointError
 from peagle_core.model import PEagleDraftModel
 from peagle_core.spec import JobSpec
@@ -21,8 +21,8 @@ from peagle_core.speculators import CONFIG_NAME, read_checkpoint
 PARAM = "model.init_from"
 # Spec fields that shape the drafter: taken from the checkpoint; set in the spec, they must agree with it.
 ARCHITECTURE_FIELDS = ("num_layers", "layer_type", "norm_before_residual", "draft_vocab_size")
-# Spec fields that only steer training: the spec's value wins.
-TRAINING_FIELDS = ("num_depths", "down_sample_ratio", "down_sample_ratio_min", "max_anchors")
+# Every other drafter setting only steers training: the spec's value wins.
+TRAINING_FIELDS = tuple(f for f in DrafterSettings.model_fields if f not in ARCHITECTURE_FIELDS)
 
 
 def _error(problems: list[str], spec: JobSpec, param: str = PARAM) -> CheckpointError:

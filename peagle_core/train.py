@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -535,6 +536,11 @@ def end_epoch(
     return now
 
 
+def _unverified(_checkpoint_dir: Path, reason: str) -> ServingCheck:
+    """The publish gate when vLLM does not judge this export (`reason` says why)."""
+    return ServingCheck.unverified(reason)
+
+
 def export(run: Trainer, progress: Progress) -> Path | None:
     """Rank 0 writes the validated export to out_dir/export/step_N with eval.json beside it."""
     if progress.evaluation is None:  # resumed from the final checkpoint: its evaluation is not in memory
@@ -547,15 +553,10 @@ def export(run: Trainer, progress: Progress) -> Path | None:
         k = max(run.spec.speculative_tokens)
         if run.engines.gate and run.judge is not None:
             run.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=progress.step)
-            judge = run.judge
-
-            def serving(tmp: Path) -> ServingCheck:
-                return judge.gate(tmp, k)
+            serving: Callable[[Path], ServingCheck] = partial(run.judge.gate, k=k)
         else:
             reason = run.engines.gate_off_reason or "no serving check was run"
-
-            def serving(tmp: Path) -> ServingCheck:
-                return ServingCheck.unverified(reason)
+            serving = partial(_unverified, reason=reason)
 
         export_checkpoint(
             run.model,

@@ -130,15 +130,13 @@ def keys_rotate(key_id: Annotated[str, typer.Argument(help="Key id (from `peagle
 @projects_app.command("list")
 def projects_list() -> None:
     """Every project with its limits and what it uses: queues, running jobs, storage."""
-    from sqlalchemy import select
-
     from service.crud.limits import storage_used, unfinished_job_count
-    from service.db.models import Project
+    from service.crud.projects import list_projects
     from service.db.session import session_scope
     from service.settings import get_settings
 
     with session_scope(get_settings().database_url) as session:
-        for p in session.scalars(select(Project).order_by(Project.name)):
+        for p in list_projects(session):
             queues = ",".join(p.allowed_queues) if p.allowed_queues is not None else "any"
             running = f"{unfinished_job_count(session, p.id)}/{p.max_running_jobs or 'unlimited'}"
             storage = f"{storage_used(session, p.id)}/{p.storage_cap_bytes or 'unlimited'}"
@@ -160,10 +158,8 @@ def projects_set(
 ) -> None:
     """Set PROJECT's limits; options left out keep their value. Beyond a limit the API answers 403 or 429
     naming it."""
-    from sqlalchemy import select
-
     from service.crud.limits import set_limits
-    from service.db.models import Project
+    from service.crud.projects import project_by_name
     from service.db.session import session_scope
     from service.settings import get_settings
 
@@ -179,7 +175,7 @@ def projects_set(
     if storage_cap is not None:
         changes["storage_cap_bytes"] = _size(storage_cap)
     with session_scope(get_settings().database_url) as session:
-        row = session.scalar(select(Project).where(Project.name == project))
+        row = project_by_name(session, project)
         if row is None:
             typer.secho(f"no project named {project!r}", err=True)
             raise typer.Exit(1)

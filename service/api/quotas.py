@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from service.api.errors import ApiError
 from service.crud.limits import lock_project, storage_used, unfinished_job_count
+from service.crud.projects import get_project
 from service.db.models import Project
 
 
@@ -42,7 +43,7 @@ def check_new_job(db: Session, project_id: str, queue: str) -> None:
 
 def check_storage(db: Session, project: Project | str, adding: int) -> None:
     """Raise 403 if the project's stored bytes (datasets and checkpoints) plus `adding` pass its cap."""
-    row = project if isinstance(project, Project) else db.get(Project, project)
+    row = project if isinstance(project, Project) else get_project(db, project)
     if row is None or row.storage_cap_bytes is None:
         return
     used = storage_used(db, row.id)

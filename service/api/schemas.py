@@ -71,11 +71,6 @@ class CreateJobRequest(BaseModel):
     spec: JobSpec
 
 
-class JobError(BaseModel):
-    code: str
-    message: str
-
-
 class Job(_Out):
     id: str
     object: Literal["job"] = "job"
@@ -85,7 +80,10 @@ class Job(_Out):
     max_attempts: int
     queue: str
     progress: dict[str, Any] | None = Field(description="stage, step, total_steps, eta_s (while running).")
-    error: dict[str, Any] | None = Field(description="{code, message} when the job failed.")
+    error: dict[str, Any] | None = Field(
+        description="Set when the job failed: `code` (stable), `message` (actionable, never a traceback) and "
+        "`param` (the spec field at fault, when one is)."
+    )
     spec: dict[str, Any] = Field(description="The resolved job spec (all defaults filled in).")
     created_at: datetime
     queued_at: datetime | None

@@ -19,9 +19,22 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def get_project(session: Session, project_id: str) -> Project | None:
+    return session.get(Project, project_id)
+
+
+def project_by_name(session: Session, name: str) -> Project | None:
+    return session.scalar(select(Project).where(Project.name == name))
+
+
+def list_projects(session: Session) -> list[Project]:
+    """Every project, by name."""
+    return list(session.scalars(select(Project).order_by(Project.name)))
+
+
 def get_or_create_project(session: Session, name: str) -> Project:
     """The project called `name`, created if missing (safe when two processes race)."""
-    project = session.scalar(select(Project).where(Project.name == name))
+    project = project_by_name(session, name)
     if project is not None:
         return project
     try:

@@ -19,7 +19,7 @@ from fastapi import Depends, Request, Response
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from service.api.deps import DB, AppSettings
-from service.crud.projects import live_key_by_id
+from service.crud.projects import get_project, live_key_by_id
 from service.db.models import Project
 from service.settings import Settings
 
@@ -106,7 +106,7 @@ def current_project(request: Request, session: Session, db: DB) -> Project:
     accounting in the REST routes the dashboard calls sees the same key.
     """
     key = live_key_by_id(db, session.key_id) if session.key_id else None
-    project = db.get(Project, key.project_id) if key is not None else None
+    project = get_project(db, key.project_id) if key is not None else None
     if key is None or project is None:
         raise NotSignedIn()
     request.state.key_hash = key.key_hash

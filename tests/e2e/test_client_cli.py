@@ -137,6 +137,19 @@ def test_upload_submit_list_get_logs_cancel(
     assert one_error_line(err) == f"error: job {job_id} cancelled"
 
 
+def test_sdk_iterates_every_job_across_pages(
+    server_url: str, api_key: str, dataset_file: Path, settings: Any, tmp_path: Path
+) -> None:
+    with PeagleClient(server_url, api_key) as client:
+        dataset_id = client.upload_dataset(dataset_file)["id"]
+        spec = yaml.safe_load(write_spec(tmp_path / "job.yaml", settings, dataset_id).read_text())
+        created = [client.create_job(spec)["id"] for _ in range(5)]
+        client.cancel_job(created[0])
+        seen = [job["id"] for job in client.iter_jobs(page_size=2)]
+        assert sorted(seen) == sorted(created) and len(seen) == 5  # three pages, nothing twice
+        assert [job["id"] for job in client.iter_jobs(status="cancelled", page_size=2)] == [created[0]]
+
+
 def test_errors_print_one_line_and_exit_nonzero(
     peagle, dataset_file: Path, settings: Any, tmp_path: Path, other_api_key: str
 ) -> None:
