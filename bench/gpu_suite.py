@@ -681,7 +681,7 @@ def _fingerprint(ctx: Context, dataset: Any) -> Any:
 
 def cache_build(ctx: Context, seq_len: int) -> dict[str, Any]:
     """Hidden-state cache build with the real-scale verifier: tokens/s end to end and of the forward."""
-    from peagle_core.cache import build_cache
+    from peagle_core.cache_build import build_cache
     from peagle_core.hidden_states import VerifierCompute
 
     dataset = _dataset(ctx, seq_len)

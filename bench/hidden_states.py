@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from peagle_core import toy
-from peagle_core.cache import CacheFingerprint, HiddenStateCache, build_cache
+from peagle_core.cache import CacheFingerprint, HiddenStateCache
+from peagle_core.cache_build import build_cache
 from peagle_core.data import prepare_dataset
 from peagle_core.data.packing import pack_bins
 from peagle_core.hidden_states import BatchLoader, HybridSource, OfflineSource, VerifierCompute

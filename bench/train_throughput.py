@@ -28,7 +28,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from peagle_core.builders import build_model, build_optimizer, build_teacher
-    from peagle_core.cache import CacheFingerprint, build_cache
+    from peagle_core.cache import CacheFingerprint
+    from peagle_core.cache_build import build_cache
     from peagle_core.data import prepare_dataset
     from peagle_core.data.packing import pack_bins
     from peagle_core.hidden_states import BatchLoader, VerifierCompute, make_source

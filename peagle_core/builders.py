@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from peagle_core import distributed as dist_utils
-from peagle_core.cache import MANIFEST, CacheFingerprint, HiddenStateCache, build_cache
+from peagle_core.cache import MANIFEST, CacheFingerprint, HiddenStateCache
+from peagle_core.cache_build import build_cache
 from peagle_core.config import PEagleConfig
 from peagle_core.data import PreparedDataset
 from peagle_core.data.packing import pack_bins

@@ -21,12 +21,10 @@ from peagle_core.cache import (
     CacheCorruptError,
     CacheError,
     CacheFingerprint,
-    HiddenRecord,
     HiddenStateCache,
     TokenDataset,
-    bytes_per_token,
-    quantize,
 )
+from peagle_core.cache_codec import HiddenRecord, bytes_per_token, quantize
 
 __all__ = [
     "BatchLoader",

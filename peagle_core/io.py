@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -80,3 +81,12 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes in binary units, e.g. `1.5 GiB`."""
+    if n <= 0:
+        return "0 B"
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    k = min(int(math.log(n, 1024)), len(units) - 1)
+    return f"{n / 1024**k:.1f} {units[k]}"

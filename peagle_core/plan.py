@@ -230,7 +230,7 @@ def plan_job(
     """The plan of `spec` on this device, and the rates it used (calibrated here unless `rates` is given)."""
     from peagle_core import distributed as dist_utils
     from peagle_core.builders import count_steps
-    from peagle_core.cache import bytes_per_token
+    from peagle_core.cache_codec import bytes_per_token
     from peagle_core.data.prepare import prepare_for_spec
 
     data_path, work_dir = Path(data_path), Path(work_dir)

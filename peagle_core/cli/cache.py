@@ -52,9 +52,12 @@ def build(
     trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
     """Run the verifier over every sample of PREPARED and store its hidden states in OUT."""
-    from peagle_core.cache import DTYPES, CacheFingerprint, build_cache, human_bytes
+    from peagle_core.cache import CacheFingerprint
+    from peagle_core.cache_build import build_cache
+    from peagle_core.cache_codec import DTYPES
     from peagle_core.data.prepare import PreparedDataset
     from peagle_core.hidden_states import VerifierCompute
+    from peagle_core.io import human_bytes
     from peagle_core.verifier import Verifier
 
     if dtype not in DTYPES:
@@ -98,7 +101,8 @@ def verify(
     ] = None,
 ) -> None:
     """Check checksums, tensor shapes, token ids and finite values; exit 1 naming each bad shard."""
-    from peagle_core.cache import CacheCorruptError, HiddenStateCache, verify_cache
+    from peagle_core.cache import CacheCorruptError, HiddenStateCache
+    from peagle_core.cache_build import verify_cache
     from peagle_core.data.prepare import PreparedDataset
 
     cache = HiddenStateCache.open(cache_dir)

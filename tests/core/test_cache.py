@@ -20,13 +20,10 @@ from peagle_core.cache import (
     CacheFingerprint,
     CacheMismatchError,
     CacheMissError,
-    HiddenRecord,
     HiddenStateCache,
-    build_cache,
-    decode_rows,
-    encode_rows,
-    verify_cache,
 )
+from peagle_core.cache_build import build_cache, verify_cache
+from peagle_core.cache_codec import HiddenRecord, decode_rows, encode_rows
 
 AUX, LAST = 48, 16
 
@@ -219,7 +216,8 @@ _CHILD = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, {tests!r})
     from test_cache import FP, SyntheticTokens, synthetic_compute
-    from peagle_core.cache import HiddenStateCache, build_cache
+    from peagle_core.cache import HiddenStateCache
+    from peagle_core.cache_build import build_cache
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
     ds = SyntheticTokens(30)

@@ -19,10 +19,9 @@ from peagle_core.cache import (
     CacheMismatchError,
     CacheMissError,
     HiddenStateCache,
-    build_cache,
-    quantize,
-    verify_cache,
 )
+from peagle_core.cache_build import build_cache, verify_cache
+from peagle_core.cache_codec import quantize
 from peagle_core.cli import build_app
 from peagle_core.data.packing import pack_bins
 from peagle_core.data.prepare import PreparedDataset
