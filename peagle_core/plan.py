@@ -135,13 +135,8 @@ def _hidden_state_rate(verifier: Any, dataset: Any) -> float:
 
 def _regen_rate(spec: JobSpec, data_path: Path, verifier: Any) -> tuple[float, float]:
     """Seconds for one generation batch of the job's own conversations at its own settings."""
-    from peagle_core.regenerate import (
-        TransformersGenerator,
-        _read_chat_rows,
-        params_for_spec,
-        rewrite_conversations,
-        stop_token_ids,
-    )
+    from peagle_core.generators import TransformersGenerator, stop_token_ids
+    from peagle_core.regenerate import _read_chat_rows, params_for_spec, rewrite_conversations
 
     params = params_for_spec(spec)
     _, rows = _read_chat_rows(data_path, params)

@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from peagle_core.data.chat import encode, render
 from peagle_core.data.formats import Row, iter_rows
-from peagle_core.errors import DataError, VerifierError
+from peagle_core.errors import DataError
+from peagle_core.generators import Engine, Generator, open_generator
 from peagle_core.io import atomic_write_bytes, atomic_write_json, sha256_file
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REGEN_VERSION = 1  # bump when the rewrite rules change: invalidates every cached regeneration
-Engine = Literal["transformers", "vllm"]
 _SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 _WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".py")
 
@@ -73,18 +73,6 @@ class RegenReport:
         return asdict(self) | {"tokens_per_s": round(self.tokens_per_s, 2)}
 
 
-@dataclass
-class Generation:
-    """One generated turn: its tokens without the stop token, and whether a stop token ended it."""
-
-    tokens: list[int]
-    finished: bool
-
-
-class Generator(Protocol):
-    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]: ...
-
-
 # ------------------------------------------------------------------------------ fingerprints and paths
 
 
@@ -126,102 +114,6 @@ def read_provenance(out: str | Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return prov if out.is_file() else None
-
-
-# ------------------------------------------------------------------------------ engines
-
-
-def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
-    """End-of-turn tokens: the tokenizer's EOS and whatever the model's generation config lists."""
-    ids: list[int] = []
-    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        for i in source if isinstance(source, list | tuple) else [source]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    if not ids:
-        raise VerifierError("the verifier's tokenizer has no end-of-sequence token to stop a turn at")
-    return ids
-
-
-def _cut(tokens: Sequence[int], stops: set[int], max_new_tokens: int) -> Generation:
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return Generation(list(tokens[:i]), True)
-    # vLLM stops at the model's own EOS too; a stop it reports without the token still ends the turn
-    return Generation(list(tokens), len(tokens) < max_new_tokens)
-
-
-class TransformersGenerator:
-    """Batched `model.generate` with a KV cache, prompts sorted by length and left-padded per batch."""
-
-    def __init__(self, model: Any, tokenizer: Any, stops: list[int], *, temperature: float, seed: int,
-                 batch_size: int = 16):  # fmt: skip
-        self.model, self.tokenizer, self.stops = model, tokenizer, stops
-        self.temperature, self.seed, self.batch_size = temperature, seed, batch_size
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-
-    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
-        import torch
-
-        out: list[Generation | None] = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        device = next(self.model.parameters()).device
-        sampling = (
-            {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
-            if self.temperature > 0
-            else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-        )
-        for s in range(0, len(order), self.batch_size):
-            chunk = order[s : s + self.batch_size]
-            width = max(len(prompts[i]) for i in chunk)
-            ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, i in enumerate(chunk):
-                p = prompts[i]
-                ids[row, width - len(p) :] = torch.tensor(p)
-                mask[row, width - len(p) :] = 1
-            if self.temperature > 0:
-                torch.manual_seed(self.seed + s)
-            with torch.inference_mode():
-                gen = self.model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=self.stops,
-                    pad_token_id=self.pad,
-                    use_cache=True,
-                    **sampling,
-                )
-            for row, i in enumerate(chunk):
-                out[i] = _cut(gen[row, width:].tolist(), set(self.stops), max_new_tokens)
-        return [g for g in out if g is not None]
-
-
-class VllmGenerator:
-    """vLLM's offline batched generation in its child process (`peagle_core.vllm_engine`)."""
-
-    def __init__(self, engine: VllmEngine, verifier: str, stops: list[int], *, temperature: float,
-                 seed: int, seq_len: int, trust_remote_code: bool = False):  # fmt: skip
-        self.engine, self.verifier, self.stops = engine, verifier, stops
-        self.temperature, self.seed, self.seq_len = temperature, seed, seq_len
-        self.trust_remote_code = trust_remote_code
-
-    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
-        run = self.engine.sample(
-            self.verifier,
-            [list(p) for p in prompts],
-            max_new_tokens,
-            temperature=self.temperature,
-            stop_token_ids=self.stops,
-            seed=self.seed,
-            trust_remote_code=self.trust_remote_code,
-        )
-        stops = set(self.stops)
-        out = []
-        for tokens, reason in zip(run.tokens, run.finish_reasons, strict=True):
-            g = _cut(tokens, stops, max_new_tokens)
-            out.append(Generation(g.tokens, g.finished or reason == "stop"))
-        return out
 
 
 # ------------------------------------------------------------------------------ the rewrite
@@ -393,8 +285,16 @@ def regenerate(
     _fold_counts(report, work.records.values())
     todo = [(i, row) for i, row in enumerate(rows) if i not in work.records]
     if todo:
-        tokenizer, generator, close = _open_engine(
-            verifier, params, revision, trust_remote_code, batch_size, vllm_engine
+        tokenizer, generator, close = open_generator(
+            params.engine,
+            verifier,
+            temperature=params.temperature,
+            seed=params.seed,
+            seq_len=params.seq_len,
+            batch_size=batch_size,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            vllm_engine=vllm_engine,
         )
         try:
             for s in range(0, len(todo), batch_size):
@@ -456,47 +356,6 @@ def _fold_counts(report: RegenReport, records: Any) -> None:
         report.written += r["row"] is not None
         for key, n in r["counts"].items():
             setattr(report, key, getattr(report, key) + n)
-
-
-def _open_engine(
-    verifier: str,
-    params: RegenParams,
-    revision: str | None,
-    trust_remote_code: bool,
-    batch_size: int,
-    vllm_engine: VllmEngine | None,
-) -> tuple[Any, Generator, Callable[[], None]]:
-    """(tokenizer, generator, close) for the engine the parameters name."""
-    if params.engine == "vllm":
-        from transformers import AutoTokenizer, GenerationConfig
-
-        from peagle_core.vllm_engine import VllmEngine
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(
-                verifier, revision=revision, trust_remote_code=trust_remote_code
-            )
-            gen_config = GenerationConfig.from_pretrained(verifier, revision=revision)
-        except (OSError, ValueError) as exc:
-            raise VerifierError(
-                f"cannot load verifier {verifier!r}: {exc}", param="verifier.name_or_path"
-            ) from exc
-        engine = vllm_engine or VllmEngine().start()
-        close = (lambda: None) if vllm_engine is not None else engine.close
-        stops = stop_token_ids(tokenizer, gen_config)
-        gen = VllmGenerator(
-            engine, verifier, stops, temperature=params.temperature, seed=params.seed, seq_len=params.seq_len,
-            trust_remote_code=trust_remote_code,
-        )  # fmt: skip
-        return tokenizer, gen, close
-    from peagle_core.verifier import Verifier
-
-    v = Verifier.load(verifier, revision=revision, trust_remote_code=trust_remote_code)
-    stops = stop_token_ids(v.tokenizer, getattr(v.model, "generation_config", None))
-    gen = TransformersGenerator(
-        v.model, v.tokenizer, stops, temperature=params.temperature, seed=params.seed, batch_size=batch_size
-    )
-    return v.tokenizer, gen, lambda: None
 
 
 def _finish(

@@ -15,9 +15,9 @@ import torch
 
 from peagle_core.data.chat import encode, render
 from peagle_core.data.formats import iter_rows
+from peagle_core.generators import TransformersGenerator
 from peagle_core.regenerate import (
     RegenParams,
-    TransformersGenerator,
     provenance_path,
     regenerate,
     rewrite_conversations,
