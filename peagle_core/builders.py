@@ -1,5 +1,5 @@
 """The parts of a training run, built from a job spec: data, verifier, hidden-state source, drafter,
-teacher, optimizer and the packed batches of each epoch.
+teacher, optimizer, the packed batches of each epoch and the vLLM judge.
 
 `peagle_core.train` assembles them; benchmarks and tests build single parts with the same functions.
 """
@@ -27,6 +27,7 @@ from peagle_core.model import PEagleDraftModel
 from peagle_core.objective import Teacher
 from peagle_core.spec import JobSpec
 from peagle_core.verifier import Verifier
+from peagle_core.vllm_judge import Engines, VllmJudge, engine_options, resolve_engines
 
 
 def prepare_data(
@@ -177,3 +178,26 @@ def eval_prompts(
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         out.append(torch.tensor(ids, dtype=torch.long))
     return out
+
+
+def build_judge(
+    spec: JobSpec, prompts: list[torch.Tensor], device: torch.device, *, is_main: bool
+) -> tuple[Engines, VllmJudge | None]:
+    """Which engines evaluate and gate this run, and the vLLM judge when one is needed (main rank only; it
+    starts its engine on first use). Without evaluation prompts there is nothing for vLLM to check with."""
+    engines = resolve_engines(spec)
+    if not prompts:
+        engines = Engines(
+            ours=engines.ours, vllm=False, gate_off_reason="no evaluation prompts to check with"
+        )
+    if not (engines.needs_vllm and is_main):
+        return engines, None
+    judge = VllmJudge(
+        spec.verifier.name_or_path,
+        [p.tolist() for p in prompts],
+        spec.evaluation.max_new_tokens,
+        revision=spec.verifier.revision,
+        trust_remote_code=spec.verifier.trust_remote_code,
+        options=engine_options(device),
+    )
+    return engines, judge

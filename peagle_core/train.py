@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from peagle_core import distributed as dist_utils
 from peagle_core.builders import (
+    build_judge,
     build_model,
     build_optimizer,
     build_source,
@@ -59,8 +60,6 @@ from peagle_core.vllm_judge import (
     Engines,
     VllmJudge,
     agreement_gap,
-    engine_options,
-    resolve_engines,
 )
 
 MetricsFn = Callable[[dict[str, Any]], None]
@@ -288,21 +287,7 @@ def setup(
             hooks.event("train", f"resumed from {restored.path.name}", step=restored.position.step)
 
     prompts = eval_prompts(spec, dataset, val_idx, verifier)
-    engines = resolve_engines(spec)
-    if not prompts:
-        engines = Engines(
-            ours=engines.ours, vllm=False, gate_off_reason="no evaluation prompts to check with"
-        )
-    judge = None
-    if engines.needs_vllm and info.is_main:
-        judge = VllmJudge(
-            spec.verifier.name_or_path,
-            [p.tolist() for p in prompts],
-            spec.evaluation.max_new_tokens,
-            revision=spec.verifier.revision,
-            trust_remote_code=spec.verifier.trust_remote_code,
-            options=engine_options(device),
-        )
+    engines, judge = build_judge(spec, prompts, device, is_main=info.is_main)
     run = Trainer(
         spec=spec,
         out_dir=out_dir,
