@@ -221,7 +221,7 @@ def _train(run: Trainer, progress: Progress) -> TrainResult:
     totals = dist_utils.sum_across_ranks(_delta(run.source.counters(), run_start), run.info, run.device)
 
     if progress.stopped:
-        hooks.event("train", f"stopped at step {progress.step}", step=progress.step)
+        hooks.event("stopped", f"stopped at step {progress.step}", step=progress.step)
         export_dir, final = None, {**progress.metrics, **totals}
     else:
         export_dir = export(run, progress)
@@ -247,12 +247,14 @@ def setup(
     under `out_dir` when `resume` finds one."""
     tc = spec.training
     device = dist_utils.device_for(info)
-    hooks.event("prepare", "preparing the dataset")
+    # Each stage has one owner: a worker prepares the data itself and hands the trainer `dataset_dir`.
+    if dataset_dir is None:
+        hooks.event("prepare", "preparing the dataset")
     dataset = prepare_data(spec, out_dir, dataset_dir, info)
     train_idx, val_idx = dataset.split(spec.dataset.val_fraction, tc.seed)
     if not train_idx:
         raise DataError("no training samples left after the validation split", param="dataset.val_fraction")
-    hooks.event("prepare", "dataset ready", samples=len(dataset), train=len(train_idx), val=len(val_idx))
+    hooks.event("data", "dataset ready", samples=len(dataset), train=len(train_idx), val=len(val_idx))
 
     verifier = load_verifier(spec, device)
     cache_root = Path(cache_dir or spec.hidden_states.cache_uri or out_dir / "cache")
@@ -284,7 +286,7 @@ def setup(
             world_size=info.world_size,
         )
         if restored is not None:
-            hooks.event("train", f"resumed from {restored.path.name}", step=restored.position.step)
+            hooks.event("resume", f"resumed from {restored.path.name}", step=restored.position.step)
 
     prompts = eval_prompts(spec, dataset, val_idx, verifier)
     engines, judge = build_judge(spec, prompts, device, is_main=info.is_main)
@@ -392,20 +394,26 @@ def maybe_evaluate(run: Trainer, progress: Progress) -> dict[str, Any] | None:
     due = (every is not None and progress.step % every == 0) or progress.step >= run.total_steps
     if not due:
         return None
-    result = evaluate_drafter(run, progress.step)
+    result = evaluate_drafter(run, progress.step, final=progress.step >= run.total_steps)
     if result:
         progress.evaluation = result
     return result
 
 
-def evaluate_drafter(run: Trainer, step: int) -> dict[str, Any]:
+def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str, Any]:
     """Acceptance length at every evaluated K on the held-out prompts (rank 0; {} elsewhere): ours, vLLM's
-    spec-decode counters, or both (`evaluation.engine`), with a warning when the two disagree."""
+    spec-decode counters, or both (`evaluation.engine`), with a warning when the two disagree. Only the
+    final evaluation is the `eval` stage; one mid-training is an `evaluation` event within `train`."""
     if not run.info.is_main or not run.prompts:
         return {}
     ks = run.spec.speculative_tokens
     engines = [name for name, on in (("peagle", run.engines.ours), ("vllm", run.engines.vllm)) if on]
-    run.hooks.event("eval", f"evaluating at step {step}", prompts=len(run.prompts), engines=engines)
+    run.hooks.event(
+        "eval" if final else "evaluation",
+        f"evaluating at step {step}",
+        prompts=len(run.prompts),
+        engines=engines,
+    )
     results: dict[str, dict[str, Any]] = {f"k={k}": {"k": k} for k in ks}
     if run.engines.ours:
         eos = run.verifier.tokenizer.eos_token_id

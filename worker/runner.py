@@ -268,7 +268,7 @@ class JobRunner:
             self._event(
                 "log", f"resuming from checkpoint at step {resume_step}", {"resume_step": resume_step}
             )
-        self._enter("train", progress, "training", resume_step=resume_step, gpus=spec.resources.gpus)
+        # From here the trainer announces its own stages (hidden_states, train, eval, export).
 
         if spec.resources.gpus > 1:
             return train_distributed(

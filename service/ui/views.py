@@ -198,7 +198,7 @@ def timeline(job: Job, events: list[JobEvent]) -> list[Stage]:
     """The job's stages in order with how long each took (the last one ends when the job did)."""
     marks: list[tuple[str, datetime]] = []
     for e in events:
-        # The runner and the trainer both announce some stages: a repeat of the current one is no new stage.
+        # A stage announced again while current (a retried step of the same stage) is no new stage.
         if e.type == "stage" and e.data and (not marks or marks[-1][0] != e.data.get("stage")):
             marks.append((str(e.data.get("stage")), e.created_at))
     stages = []
