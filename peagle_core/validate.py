@@ -30,8 +30,15 @@ from peagle_core.speculators import (
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Fields vLLM's speculators loader needs beyond the drafter config's own (those are in CONFIG_FIELDS).
-_FIXED_FIELDS = ("speculators_model_type", "architectures", LAYER, "pard_token", "speculators_config",
-                 "speculators_version")  # fmt: skip
+# `pard_token` is not among them: we write it equal to `mask_token_id`, which vLLM reads first, and
+# speculators' own checkpoints leave it out.
+_FIXED_FIELDS = (
+    "speculators_model_type",
+    "architectures",
+    LAYER,
+    "speculators_config",
+    "speculators_version",
+)
 _REQUIRED = [f.path for f in CONFIG_FIELDS.values() if f.required]
 REQUIRED_FIELDS = (*_FIXED_FIELDS, *(path[0] for path in _REQUIRED if len(path) == 1))
 REQUIRED_LAYER_FIELDS = ("model_type", *(path[1] for path in _REQUIRED if path[0] == LAYER))

@@ -170,6 +170,12 @@ def test_rejects_a_missing_mask_token_id(exported: Path) -> None:
     assert validate_checkpoint(exported) == ["config.json: missing required field 'mask_token_id'"]
 
 
+def test_accepts_a_checkpoint_without_pard_token(exported: Path) -> None:
+    # speculators' own checkpoints carry only mask_token_id, which is what vLLM's parallel drafting reads
+    _break_config(exported, lambda c: c.pop("pard_token"))
+    assert validate_checkpoint(exported) == []
+
+
 def test_rejects_a_mask_token_outside_the_vocabulary(exported: Path) -> None:
     def edit(c: dict) -> None:
         c["mask_token_id"] = c["pard_token"] = 512
