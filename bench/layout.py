@@ -263,6 +263,8 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="list every cycle, import, block and writer")
     args = parser.parse_args()
     root = args.root.resolve()
+    if not any((root / p / "__init__.py").is_file() for p in LAYERS):
+        parser.error(f"--root {root}: none of {', '.join(LAYERS)} is a package there")
     label = args.label or root.name
     edges = import_edges(root)
     found_cycles = cycles(edges)
