@@ -11,12 +11,8 @@ from the shards already in the manifest. Data parallelism is one child per repli
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import multiprocessing as mp
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
