@@ -174,7 +174,7 @@ class _Child:
             if self.conn.poll(1.0):
                 try:
                     reply = self.conn.recv()
-                except EOFError:
+                except (EOFError, OSError):  # the child's end closed: it died
                     self._died()
                 if "error" in reply:
                     raise HiddenStatesEngineError(reply["error"])
@@ -284,6 +284,11 @@ def _build_engine(config: VllmHiddenStatesConfig) -> tuple[Any, dict[str, Any]]:
         },
         **kwargs,
     )
+    # Some refusals (CPU attention's head sizes) only come with the first forward pass: make one now, so
+    # that a verifier vLLM cannot run fails the start rather than the first group.
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [0, 1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
     return llm, {"hidden_size": int(hf.hidden_size), "num_layers": num_layers}
 
 
