@@ -130,7 +130,7 @@ def test_hidden_states_engine_and_vllm_parallelism() -> None:
         with pytest.raises(SpecError) as err:
             parse_spec({**BASE, **patch})
         assert err.value.param == param
-    with pytest.raises(SpecError, match="apply to hidden_states.engine: vllm"):
+    with pytest.raises(SpecError, match=r"apply to hidden_states\.engine: vllm"):
         parse_spec({**BASE, "resources": {"gpus": 4, "tensor_parallel_size": 4}})
     with pytest.raises(SpecError, match=r"\(8\) exceeds gpus \(4\)"):
         parse_spec({**BASE, "hidden_states": {"engine": "vllm"},
