@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -140,6 +141,7 @@ CAPS = {
     "online_step": 60,
     "hybrid_epoch": 50,
     "speculators_step": 120,  # its forward is torch.compile'd on CUDA
+    "hidden_states_engines": 240,  # two vLLM starts (toy, SmolLM2 when carried) and the builds
 }
 OVERFIT_RATIO = 0.15  # the CPU dry run reaches ~0.09 in 120 steps at lr 1e-2
 
@@ -357,6 +359,30 @@ def cuda_tests(ctx: Context, cap_s: float) -> dict[str, Any]:
     if proc.returncode != 0 or counts["failures"] or counts["errors"] or counts["tests"] == 0:
         raise CheckFailed("cuda tests failed", **counts, output=tail(proc.stdout + proc.stderr, 4000))
     return counts
+
+
+def hidden_states_engines(ctx: Context, cap_s: float) -> dict[str, Any]:
+    """bench/hidden_states.py's engine column on the device: cache-build tokens/s and bytes/token with
+    transformers vs vLLM (our KV connector), on the toy and on SmolLM2 when it is present; a child process,
+    since vLLM takes the device for itself."""
+    cmd = [sys.executable, str(ROOT / "bench" / "hidden_states.py"), "--only", "engines", "--size", "test",
+           "--samples", "64", "--seq-len", "128", "--work", str(ctx.work / "hs-engines")]  # fmt: skip
+    env = {**os.environ, "PEAGLE_CACHE_DIR": str(ctx.work), "PYTHONPATH": _pythonpath()}
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(cap_s - 5, 5), check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise CheckFailed(f"bench/hidden_states.py ran past {cap_s:.0f} s") from exc
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise CheckFailed(
+            "bench/hidden_states.py --only engines failed", output=tail(proc.stdout + proc.stderr)
+        )
+    figures: dict[str, Any] = {}
+    for x in lines:
+        figures[f"{x['verifier']}/{x['engine']}/{x['metric']}"] = round(float(x["value"]), 2)
+    return {"figures": figures}
 
 
 def _cuda_test_files() -> list[Path]:
@@ -1074,6 +1100,11 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
             needs=(*real, "speculators"),
         )
     ctx.verifier = None
+    suite.stage(
+        "hidden_states_engines",
+        lambda cap: hidden_states_engines(ctx, cap),
+        needs=("device", "peagle_core", "vllm_cuda"),
+    )
     # Last: a child process of its own, so whatever time is left goes to it after every figure is in.
     suite.stage("cuda_tests", lambda cap: cuda_tests(ctx, cap), needs=("device", "peagle_core", "pytest"))
     return suite.summary()

@@ -1,9 +1,13 @@
-"""Hidden-state sources: cache bytes per token, cached-read vs online throughput, hybrid epoch 2 vs offline.
+"""Hidden-state sources: cache bytes per token, cached-read vs online throughput, hybrid epoch 2 vs offline,
+and the engine column: cache-build tokens/s and bytes/token with `transformers` vs `vllm`.
 
 Uses the toy verifier (the `default` size when it is already built, else `test`; `--size` forces one) and
-a prepared toy corpus. Prints one JSON object per measurement on stdout.
+a prepared toy corpus; the engine comparison also runs on SmolLM2-135M-Instruct when
+`peagle models get smollm2-135m-instruct` has put it under ~/.cache/peagle/models (else it is skipped).
+Prints one JSON object per measurement on stdout.
 
     python bench/hidden_states.py [--size auto|default|test] [--samples 256] [--repeats 5]
+    python bench/hidden_states.py --only engines [--engines transformers,vllm]
 
 Targets: hybrid epoch 2 within 1.1x of offline; cached reads >= 10x faster than online passes.
 """
@@ -27,7 +31,12 @@ from peagle_core.cache_build import build_cache
 from peagle_core.data import prepare_dataset
 from peagle_core.data.packing import pack_bins
 from peagle_core.hidden_states import BatchLoader, HybridSource, OfflineSource, VerifierCompute
+from peagle_core.hidden_states_engine import build_cache_vllm
 from peagle_core.verifier import Verifier
+from peagle_core.vllm_engine import vllm_available
+from peagle_core.vllm_hidden_states import VllmHiddenStates, VllmHiddenStatesConfig, vllm_dtype
+
+SMOLLM2_DIR = Path.home() / ".cache" / "peagle" / "models" / "smollm2-135m-instruct-float32"
 
 
 def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
@@ -58,6 +67,41 @@ def run_epoch(ds, source, bins, total_seq_len: int) -> int:
     return sum(b.num_tokens for b in BatchLoader(ds, source, bins, total_seq_len=total_seq_len))
 
 
+def engine_builds(
+    label: str, vdir: Path, data: Path, work: Path, engines: list[str], seq_len: int, device: str | None
+) -> None:
+    """One bf16 cache build per engine over the same prepared data: tokens/s, bytes/token, engine start."""
+    ds = prepare_dataset(vdir, data, work / f"prepared-{label}", seq_len=seq_len)
+    verifier = Verifier.load(str(vdir), device=device)
+    fp = CacheFingerprint.of(verifier, ds)
+    tokens = sum(ds.lengths)
+    common = {"verifier": label, "hidden_size": verifier.hidden_size, "device": str(verifier.device),
+              "samples": len(ds), "tokens": tokens, "dtype": "bf16"}  # fmt: skip
+    for engine in engines:
+        out = work / f"engine-{label}-{engine}"
+        if engine == "transformers":
+            compute = VerifierCompute(ds, lambda: verifier)
+            compute([0])  # warm-up
+            t0 = time.perf_counter()
+            build_cache(out, ds, compute, fp, dtype="bf16", batch_size=16)
+            seconds, start_s = time.perf_counter() - t0, 0.0
+        else:
+            config = VllmHiddenStatesConfig(
+                str(vdir), tuple(verifier.layer_ids), max_model_len=seq_len + 16,
+                dtype=vllm_dtype("auto", verifier.device.type == "cuda"),
+            )  # fmt: skip
+            with VllmHiddenStates(config) as vllm:
+                start_s = vllm.start_seconds
+                t0 = time.perf_counter()
+                build_cache_vllm(out, ds, fp, vllm, dtype="bf16")
+                seconds = time.perf_counter() - t0
+        cache = HiddenStateCache.open(out, fp)
+        emit("build_tokens_per_s", tokens / seconds, "tokens/s", engine=engine, **common)
+        emit("build_bytes_per_token", cache.total_bytes / tokens, "bytes", engine=engine, **common)
+        if engine == "vllm":
+            emit("engine_start_s", start_s, "s", engine=engine, **common)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="auto", choices=["auto", "default", "test"])
@@ -67,12 +111,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default=None)
     ap.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temp dir).")
+    ap.add_argument("--only", choices=["all", "sources", "engines"], default="all")
+    ap.add_argument("--engines", default="transformers,vllm", help="Comma-separated engines to compare.")
+    ap.add_argument("--smollm2-samples", type=int, default=32)
     args = ap.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    if "vllm" in engines and not vllm_available():
+        print("# vLLM is not installed: the engine column has transformers only", file=sys.stderr)
+        engines.remove("vllm")
 
     size = pick_size(args.size)
     work = args.work or Path(tempfile.mkdtemp(prefix="peagle-bench-hs-"))
     vdir = toy.build_toy_verifier(size, seed=0)
     data = toy.write_toy_dataset(work / "data.jsonl", n=args.samples, seed=0)
+    if args.only in ("all", "engines"):
+        engine_builds(f"toy-{size}", vdir, data, work, engines, args.seq_len, args.device)
+        if SMOLLM2_DIR.is_dir():
+            small = toy.write_toy_dataset(work / "data-smollm2.jsonl", n=args.smollm2_samples, seed=0)
+            engine_builds("smollm2-135m", SMOLLM2_DIR, small, work, engines, args.seq_len, args.device)
+        else:
+            print(f"# {SMOLLM2_DIR} is absent: SmolLM2 engine figures skipped", file=sys.stderr)
+        if args.only == "engines":
+            return
     ds = prepare_dataset(vdir, data, work / "prepared", seq_len=args.seq_len)
     verifier = Verifier.load(str(vdir), device=args.device)
     fp = CacheFingerprint.of(verifier, ds)

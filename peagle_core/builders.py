@@ -7,6 +7,7 @@ teacher, optimizer, the packed batches of each epoch and the vLLM judge.
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +15,25 @@ import torch
 
 from peagle_core import distributed as dist_utils
 from peagle_core.cache import MANIFEST, CacheFingerprint, HiddenStateCache
-from peagle_core.cache_build import build_cache
 from peagle_core.config import PEagleConfig
 from peagle_core.data import PreparedDataset
 from peagle_core.data.packing import pack_bins
 from peagle_core.data.prepare import prepare_for_spec
 from peagle_core.errors import DataError
 from peagle_core.evaluate import held_out_prompts
-from peagle_core.hidden_states import HiddenStateSource, VerifierCompute, make_source
+from peagle_core.hidden_states import HiddenStateSource
+from peagle_core.hidden_states_engine import (
+    build_hidden_state_cache,
+    cache_engine,
+    make_engine_source,
+    vllm_config_for,
+)
 from peagle_core.init_from import init_layer_ids, load_init_checkpoint
 from peagle_core.model import PEagleDraftModel
 from peagle_core.objective import Teacher
 from peagle_core.spec import JobSpec
 from peagle_core.verifier import Verifier
+from peagle_core.vllm_hidden_states import VllmHiddenStates
 from peagle_core.vllm_judge import Engines, VllmJudge, engine_options, resolve_engines
 
 
@@ -72,26 +79,35 @@ def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:
 def build_source(
     spec: JobSpec, dataset: PreparedDataset, verifier: Verifier, cache_root: Path, info: dist_utils.DistInfo
 ) -> HiddenStateSource:
-    """The hidden-state source of `spec.hidden_states.mode`; an offline job without a cache builds it first."""
+    """The hidden-state source of `spec.hidden_states.mode`, computing with `spec.hidden_states.engine`; an
+    offline job without a complete cache builds it first."""
     fingerprint = CacheFingerprint.of(verifier, dataset)
     pad = verifier.tokenizer.pad_token_id or 0
     hs = spec.hidden_states
+    vllm = partial(
+        VllmHiddenStates, vllm_config_for(spec, verifier.layer_ids, cuda=verifier.device.type == "cuda")
+    )
     if hs.mode == "offline" and info.is_main:
         complete = (cache_root / MANIFEST).is_file() and HiddenStateCache.open(
             cache_root, fingerprint
         ).is_complete()
         if not complete:
-            compute = VerifierCompute(dataset, lambda: verifier, pad_token_id=pad)
-            build_cache(cache_root, dataset, compute, fingerprint, dtype=hs.dtype)
+            build_hidden_state_cache(
+                cache_engine(cache_root, hs.engine), cache_root, dataset, fingerprint, dtype=hs.dtype,
+                verifier_factory=lambda: verifier, vllm_factory=vllm, pad_token_id=pad,
+            )  # fmt: skip
     dist_utils.barrier(info)
-    return make_source(
+    return make_engine_source(
         hs.mode,
+        hs.engine,
         dataset,
+        fingerprint=fingerprint,
         verifier_factory=lambda: verifier,
+        vllm_factory=vllm,
         cache_dir=cache_root,
         dtype=hs.dtype,
         max_cache_bytes=hs.max_cache_bytes,
-        fingerprint=fingerprint,
+        keep_online=hs.keep_online,
         pad_token_id=pad,
     )
 

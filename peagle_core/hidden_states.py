@@ -21,6 +21,7 @@ from peagle_core.cache import (
     CacheCorruptError,
     CacheError,
     CacheFingerprint,
+    ComputeFn,
     HiddenStateCache,
     TokenDataset,
 )
@@ -141,10 +142,16 @@ class OfflineSource(HiddenStateSource):
 
 
 class OnlineSource(HiddenStateSource):
-    """Runs the verifier on every fetch; nothing touches disk."""
+    """Runs the verifier on every fetch (or `compute`, e.g. the vLLM engine's)."""
 
-    def __init__(self, dataset: TokenDataset, verifier_factory: VerifierFactory, pad_token_id: int = 0):
-        self.compute = VerifierCompute(dataset, verifier_factory, pad_token_id)
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        verifier_factory: VerifierFactory,
+        pad_token_id: int = 0,
+        compute: ComputeFn | None = None,
+    ):
+        self.compute = compute or VerifierCompute(dataset, verifier_factory, pad_token_id)
 
     @property
     def verifier_calls(self) -> int:  # type: ignore[override]
@@ -156,6 +163,8 @@ class OnlineSource(HiddenStateSource):
 
 class HybridSource(HiddenStateSource):
     """Cache hits are read; misses (and samples of a corrupt shard) are computed online and written back.
+
+    Misses are computed by the verifier, or by `compute` (with `engine` naming it in a new cache's manifest).
 
     Computed samples are buffered and committed as one shard once `shard_bytes` are pending (and on
     flush/close), so the cache does not fill with tiny shards. Past `max_cache_bytes` new samples are
@@ -173,9 +182,13 @@ class HybridSource(HiddenStateSource):
         max_cache_bytes: int | None = None,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         pad_token_id: int = 0,
+        compute: ComputeFn | None = None,
+        engine: str = "transformers",
     ):
         self.dataset = dataset
-        self.compute = VerifierCompute(dataset, verifier_factory, pad_token_id)
+        if compute is not None and fingerprint is None:
+            raise CacheError("a hybrid source with its own compute needs the cache fingerprint")
+        self.compute = compute or VerifierCompute(dataset, verifier_factory, pad_token_id)
         if fingerprint is None:
             # Without a precomputed fingerprint the verifier must be loaded to check the cache is ours.
             fingerprint = CacheFingerprint.of(self.compute.verifier, dataset)
@@ -186,6 +199,7 @@ class HybridSource(HiddenStateSource):
             dtype=dtype,
             num_dataset_samples=len(dataset),
             dataset_dir=str(Path(where).resolve()) if where is not None else None,
+            engine=engine,
         )
         self.max_cache_bytes = max_cache_bytes
         self.shard_bytes = shard_bytes
@@ -299,15 +313,20 @@ def make_source(
     fingerprint: CacheFingerprint | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     pad_token_id: int = 0,
+    compute: ComputeFn | None = None,
+    engine: str = "transformers",
 ) -> HiddenStateSource:
     """The source for `mode` (`JobSpec.hidden_states.mode`).
+
+    `compute` replaces the in-process verifier for online passes and hybrid misses (`engine` names it;
+    `peagle_core.hidden_states_engine.make_engine_source` picks both from the spec and the cache).
 
     `fingerprint` (verifier, layer ids, dataset) is what an existing cache is checked against. Offline
     mode never loads the verifier: without a fingerprint it checks the dataset only. Hybrid mode loads
     the verifier to compute the fingerprint when none is given.
     """
     if mode == "online":
-        return OnlineSource(dataset, verifier_factory, pad_token_id)
+        return OnlineSource(dataset, verifier_factory, pad_token_id, compute=compute)
     if cache_dir is None:
         raise CacheError(
             f"hidden_states.mode={mode!r} needs a cache directory", param="hidden_states.cache_uri"
@@ -325,6 +344,8 @@ def make_source(
             max_cache_bytes=max_cache_bytes,
             shard_bytes=shard_bytes,
             pad_token_id=pad_token_id,
+            compute=compute,
+            engine=engine,
         )
     raise CacheError(
         f"unknown hidden_states.mode {mode!r}; use online, offline or hybrid", param="hidden_states.mode"

@@ -45,6 +45,9 @@ class Rates:
     vllm_eval_s: float = 0.0  # one evaluation through vLLM's spec-decode counters (evaluation.engine)
     regen_s_per_batch: float | None = None  # one batch of REGEN_BATCH conversations
     regen_tokens_per_s: float | None = None
+    # hidden_states.engine vllm: the engine's start and one replica's hidden-state rate
+    vllm_hs_start_s: float | None = None
+    vllm_hs_tokens_per_s: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Rates:
@@ -71,6 +74,8 @@ def rates_key(spec: JobSpec, device: str) -> str:
                 spec.training.num_segments],
         "regenerate": spec.dataset.regenerate.model_dump() if spec.dataset.regenerate else None,
     }  # fmt: skip
+    if spec.hidden_states.engine != "transformers":  # only then, so that stored transformers rates stay valid
+        blob["hs_engine"] = [spec.hidden_states.engine, spec.resources.tensor_parallel_size]
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -85,6 +90,10 @@ def calibrate(spec: JobSpec, data_path: Path, dataset_dir: Path, work_dir: Path)
     from peagle_core.verifier import Verifier
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dataset = PreparedDataset.open(dataset_dir)
+    vllm_start_s = vllm_rate = None
+    if spec.hidden_states.engine == "vllm":  # first: vLLM wants the device to itself while it runs
+        vllm_start_s, vllm_rate = _vllm_hidden_state_rate(spec, dataset, work_dir / "vllm-calibration")
     t0 = time.perf_counter()
     verifier = Verifier.load(
         spec.verifier.name_or_path,
@@ -95,7 +104,6 @@ def calibrate(spec: JobSpec, data_path: Path, dataset_dir: Path, work_dir: Path)
         trust_remote_code=spec.verifier.trust_remote_code,
     )
     load_s = time.perf_counter() - t0
-    dataset = PreparedDataset.open(dataset_dir)
     hs_rate = _hidden_state_rate(verifier, dataset)
     regen_batch_s = regen_rate = None
     if spec.dataset.regenerate is not None:
@@ -116,7 +124,49 @@ def calibrate(spec: JobSpec, data_path: Path, dataset_dir: Path, work_dir: Path)
         vllm_eval_s=vllm_eval_s,
         regen_s_per_batch=regen_batch_s,
         regen_tokens_per_s=regen_rate,
+        vllm_hs_start_s=vllm_start_s,
+        vllm_hs_tokens_per_s=vllm_rate,
     )
+
+
+def _vllm_hidden_state_rate(spec: JobSpec, dataset: Any, work: Path) -> tuple[float, float]:
+    """Start one vLLM replica as the job would, and time a small cache build through it."""
+    import dataclasses
+    import shutil
+
+    import torch
+    from transformers import AutoConfig
+
+    from peagle_core.cache import CacheFingerprint, HiddenStateCache
+    from peagle_core.config import default_layer_ids
+    from peagle_core.hidden_states_engine import vllm_config_for
+    from peagle_core.vllm_hidden_states import VllmHiddenStates
+
+    layer_ids = spec.verifier.layer_ids
+    if layer_ids is None:
+        config = AutoConfig.from_pretrained(
+            spec.verifier.name_or_path,
+            revision=spec.verifier.revision,
+            trust_remote_code=spec.verifier.trust_remote_code,
+        )
+        layer_ids = default_layer_ids(config.get_text_config().num_hidden_layers)
+    config = vllm_config_for(spec, layer_ids, cuda=torch.cuda.is_available())
+    config = dataclasses.replace(config, data_parallel_size=1)  # one replica's rate
+    n = min(4 * CALIBRATION_SAMPLES, len(dataset))
+    items = [(i, dataset[i][0].tolist()) for i in range(n)]
+    shutil.rmtree(work, ignore_errors=True)
+    HiddenStateCache.create(
+        work, CacheFingerprint("calibration", tuple(layer_ids), "calibration"), engine="vllm"
+    )
+    with VllmHiddenStates(config) as engine:
+        engine.fill(work, items[:1])  # warm-up
+        t0 = time.perf_counter()
+        engine.fill(work, items[1:] or items)
+        seconds = time.perf_counter() - t0
+        start_s = engine.start_seconds
+    shutil.rmtree(work, ignore_errors=True)
+    tokens = sum(len(ids) for _, ids in (items[1:] or items))
+    return start_s, tokens / max(seconds, 1e-9)
 
 
 def _hidden_state_rate(verifier: Any, dataset: Any) -> float:
@@ -275,6 +325,7 @@ def plan_job(
             "max_cache_bytes": spec.hidden_states.max_cache_bytes,
             "free_bytes": free_bytes,
         },
+        "hidden_states_engine": spec.hidden_states.engine,
         "optimizer_steps": steps,
         "stages_s": stages,
         "total_s": round(sum(stages.values()) + prepare_s, 1),
@@ -295,19 +346,24 @@ def _stage_estimates(
     else:
         out["regenerate"] = 0.0
     mode = spec.hidden_states.mode
-    # online and hybrid compute hidden states inside the training steps; offline builds the cache first
-    out["hidden_states"] = (
-        rates.verifier_load_s + num_tokens / rates.hs_tokens_per_s if mode == "offline" else 0.0
-    )
     verifier_share = min(rates.train_tokens_per_step / rates.hs_tokens_per_s, 0.8 * rates.train_step_s)
     offline_step = rates.train_step_s - verifier_share
+    online_step, hs_start, hs_rate = rates.train_step_s, rates.verifier_load_s, rates.hs_tokens_per_s
+    engine_start = 0.0
+    if spec.hidden_states.engine == "vllm" and rates.vllm_hs_tokens_per_s:
+        # vLLM's replicas compute side by side; online, each step waits for its batch's states
+        hs_rate = rates.vllm_hs_tokens_per_s * spec.resources.data_parallel_size
+        hs_start = engine_start = rates.vllm_hs_start_s or 0.0
+        online_step = offline_step + rates.train_tokens_per_step / hs_rate
+    # online and hybrid compute hidden states inside the training steps; offline builds the cache first
+    out["hidden_states"] = hs_start + num_tokens / hs_rate if mode == "offline" else 0.0
     if mode == "online":
-        step_s = rates.train_step_s
+        step_s = online_step
     elif mode == "offline":
         step_s = offline_step
     else:  # hybrid: the first epoch computes, later ones read the cache
-        step_s = (rates.train_step_s + (spec.training.epochs - 1) * offline_step) / spec.training.epochs
-    out["train"] = rates.train_setup_s + steps * step_s
+        step_s = (online_step + (spec.training.epochs - 1) * offline_step) / spec.training.epochs
+    out["train"] = rates.train_setup_s + (engine_start if mode != "offline" else 0.0) + steps * step_s
     every = spec.training.eval_every_steps
     evals = 1 + ((steps - 1) // every if every else 0)
     prompts = spec.evaluation.prompts

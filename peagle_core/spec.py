@@ -114,6 +114,17 @@ class HiddenStatesSpec(_Strict):
     )
     dtype: Literal["bf16", "fp8", "fp32"] = "bf16"
     max_cache_bytes: int | None = Field(default=None, ge=0, le=MAX_CACHE_BYTES)
+    engine: Literal["transformers", "vllm"] = Field(
+        default="transformers",
+        description="Who runs the verifier for hidden states: `transformers` in the training process, or "
+        "`vllm` (its own processes, `resources.tensor_parallel_size` x `data_parallel_size` devices). A "
+        "hybrid cache's misses are filled by the engine that built it.",
+    )
+    keep_online: bool = Field(
+        default=False,
+        description="Online mode with engine vllm: keep the computed shards in the cache directory instead "
+        "of deleting them once trained on.",
+    )
 
 
 class ModelSpec(DrafterSettings, _Strict):
@@ -226,6 +237,12 @@ class ResourcesSpec(_Strict):
 
     gpus: int = Field(default=1, ge=1, le=64)
     queue: str = Field(default="default", pattern=_QUEUE_PATTERN)
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="vLLM hidden-state engine: devices per verifier replica."
+    )
+    data_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="vLLM hidden-state engine: verifier replicas."
+    )
 
 
 class TrackingSpec(_Strict):
@@ -267,6 +284,17 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"evaluation.speculative_tokens: K={max(ks)} exceeds model.num_depths={self.model.num_depths}"
             )
+        res = self.resources
+        if res.tensor_parallel_size * res.data_parallel_size > 1:
+            if self.hidden_states.engine != "vllm":
+                raise ValueError(
+                    "resources.tensor_parallel_size/data_parallel_size apply to hidden_states.engine: vllm"
+                )
+            if res.tensor_parallel_size * res.data_parallel_size > res.gpus:
+                raise ValueError(
+                    f"resources: tensor_parallel_size x data_parallel_size "
+                    f"({res.tensor_parallel_size * res.data_parallel_size}) exceeds gpus ({res.gpus})"
+                )
         if self.training.total_seq_len < self.dataset.seq_len:
             raise ValueError(
                 f"training.total_seq_len ({self.training.total_seq_len}) must be >= dataset.seq_len "

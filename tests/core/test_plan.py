@@ -87,3 +87,27 @@ def test_plan_estimates_are_within_2x_of_the_measured_stages(spec_and_data, tmp_
 
     again, _ = plan_job(spec, data, tmp_path / "plan2", rates=rates)
     assert again["estimates_from"] == "stored" and again["stages_s"] == estimated
+
+
+def test_the_vllm_engine_stage_uses_the_vllm_rates(spec_and_data, tmp_path: Path) -> None:
+    from peagle_core.plan import Rates
+
+    spec, data = spec_and_data
+    spec = parse_spec(
+        {
+            **spec.model_dump(mode="json"),
+            "hidden_states": {"mode": "offline", "engine": "vllm"},
+            "resources": {"gpus": 2, "data_parallel_size": 2},
+        }
+    )
+    rates = Rates(device="test", measured_at="now", verifier_load_s=3.0, hs_tokens_per_s=1000.0,
+                  train_setup_s=1.0, train_step_s=0.5, train_tokens_per_step=256.0, eval_s_per_pass=0.01,
+                  eval_tokens_per_prompt=10.0, vllm_hs_start_s=20.0, vllm_hs_tokens_per_s=4000.0)  # fmt: skip
+    plan, _ = plan_job(spec, data, tmp_path / "plan", rates=rates)
+    tokens = plan["counts"]["tokens"]
+    assert plan["hidden_states_engine"] == "vllm"
+    # the engine's start, then the tokens at two replicas' rate
+    assert plan["stages_s"]["hidden_states"] == round(20.0 + tokens / 8000.0, 1)
+    plain, _ = plan_job(parse_spec({**spec.model_dump(mode="json"), "hidden_states": {"mode": "offline"},
+                                    "resources": {}}), data, tmp_path / "plain", rates=rates)  # fmt: skip
+    assert plain["stages_s"]["hidden_states"] == round(3.0 + tokens / 1000.0, 1)

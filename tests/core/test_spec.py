@@ -113,3 +113,25 @@ def test_yaml_infinity_is_refused_naming_the_field(tmp_path) -> None:
         load_spec(path)
     assert err.value.param == "training.grad_clip"
     assert "finite" in err.value.message
+
+
+def test_hidden_states_engine_and_vllm_parallelism() -> None:
+    spec = parse_spec(BASE)
+    assert spec.hidden_states.engine == "transformers" and spec.hidden_states.keep_online is False
+    assert (spec.resources.tensor_parallel_size, spec.resources.data_parallel_size) == (1, 1)
+    big = parse_spec({**BASE, "hidden_states": {"engine": "vllm"},
+                      "resources": {"gpus": 8, "tensor_parallel_size": 4, "data_parallel_size": 2}})  # fmt: skip
+    assert (big.resources.tensor_parallel_size, big.resources.data_parallel_size) == (4, 2)
+    for patch, param in (
+        ({"hidden_states": {"engine": "sglang"}}, "hidden_states.engine"),
+        ({"resources": {"tensor_parallel_size": 65}}, "resources.tensor_parallel_size"),
+        ({"resources": {"data_parallel_size": 0}}, "resources.data_parallel_size"),
+    ):
+        with pytest.raises(SpecError) as err:
+            parse_spec({**BASE, **patch})
+        assert err.value.param == param
+    with pytest.raises(SpecError, match=r"apply to hidden_states\.engine: vllm"):
+        parse_spec({**BASE, "resources": {"gpus": 4, "tensor_parallel_size": 4}})
+    with pytest.raises(SpecError, match=r"\(8\) exceeds gpus \(4\)"):
+        parse_spec({**BASE, "hidden_states": {"engine": "vllm"},
+                    "resources": {"gpus": 4, "tensor_parallel_size": 4, "data_parallel_size": 2}})  # fmt: skip
