@@ -20,6 +20,7 @@ import pytest
 
 from client import PeagleClient
 from tests.e2e.test_up import Up
+from tests.fixtures.archives import extract_archive
 
 pytestmark = pytest.mark.slow
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is a dev dependency")
@@ -230,7 +231,7 @@ def test_dashboard_end_to_end(
     archive = tmp_path / "ckpt.tar"
     info.value.save_as(archive)
     with tarfile.open(archive) as tar:
-        tar.extractall(tmp_path / "ckpt", filter="data")
+        extract_archive(tar, tmp_path / "ckpt")
     for f in ckpt["files"]:
         got = hashlib.sha256((tmp_path / "ckpt" / ckpt["id"] / f["name"]).read_bytes()).hexdigest()
         assert got == f["sha256"], f["name"]

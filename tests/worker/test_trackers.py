@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.archives import extract_archive
 from tests.fixtures.servers import free_port, wait_until_healthy
 from tests.worker.conftest import Stack, toy_spec
 
@@ -91,7 +92,7 @@ def test_tensorboard_and_mlflow_hold_the_api_metrics_and_the_checkpoint(
         assert res.status_code == 200, res.text
         api_loss = client.get(f"/v1/jobs/{job_id}/metrics", headers=auth).json()["data"]
     with tarfile.open(fileobj=io.BytesIO(res.content)) as tar:
-        tar.extractall(tmp_path / "tb", filter="data")
+        extract_archive(tar, tmp_path / "tb")
     logdir = tmp_path / "tb" / f"{job_id}-tensorboard"
     assert any(p.name.startswith("events.out.tfevents") for p in logdir.iterdir())
     acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
