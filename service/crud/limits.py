@@ -1,4 +1,4 @@
-"""Project limits: set them (`peagle projects set`) and read what a project uses against them."""
+"""Project limits: set them (`peagle projects set`), lock a project to check one, and read what it uses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.crud.jobs import UNFINISHED_STATUSES
-from service.db.models import Checkpoint, Dataset, Job, Project
+from service.crud.usage import storage_used
+from service.db.models import Job, Project
+
+__all__ = ["UNSET", "lock_project", "set_limits", "storage_used", "unfinished_job_count"]
 
 UNSET = object()
 
@@ -30,22 +33,25 @@ def set_limits(
 
 
 def lock_project(session: Session, project_id: str) -> Project | None:
-    """The project row, locked until the transaction ends on Postgres (SQLite serialises writers), so two
-    concurrent creates cannot both pass a limit check."""
-    return session.scalar(select(Project).where(Project.id == project_id).with_for_update())
+    """The project row, locked until the transaction ends, so that checks of its limits and the writes
+    they admit happen one request at a time.
+
+    Postgres: `SELECT ... FOR UPDATE` on the row. SQLite ignores FOR UPDATE, and its default deferred
+    transaction lets two readers both pass a check before either writes; `BEGIN IMMEDIATE` takes the
+    database's write lock first (waiting out the busy timeout), so the reads after it see every earlier
+    commit and no other writer until ours ends.
+    """
+    conn = session.connection()
+    if conn.dialect.name == "sqlite":
+        dbapi = conn.connection.dbapi_connection
+        # pysqlite opens a transaction only before its first write; one already open holds the lock.
+        if dbapi is not None and not dbapi.in_transaction:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+    query = select(Project).where(Project.id == project_id).with_for_update()
+    # populate_existing: the request loaded the row before the lock; read its limits again under it.
+    return session.scalar(query.execution_options(populate_existing=True))
 
 
 def unfinished_job_count(session: Session, project_id: str) -> int:
     query = select(func.count()).where(Job.project_id == project_id, Job.status.in_(UNFINISHED_STATUSES))
     return int(session.scalar(query) or 0)
-
-
-def storage_used(session: Session, project_id: str) -> int:
-    """Bytes of the project's datasets and published checkpoints."""
-    datasets = session.scalar(
-        select(func.coalesce(func.sum(Dataset.size), 0)).where(Dataset.project_id == project_id)
-    )
-    ckpts = session.scalar(
-        select(func.coalesce(func.sum(Checkpoint.size), 0)).where(Checkpoint.project_id == project_id)
-    )
-    return int(datasets or 0) + int(ckpts or 0)
