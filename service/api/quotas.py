@@ -22,7 +22,6 @@ from service.crud.projects import get_project
 from service.db.models import Project
 from service.settings import Settings
 
-
 # Multipart framing around an uploaded file (boundaries, part headers) stays well under this.
 MULTIPART_FRAMING_BYTES = 64 << 10
 

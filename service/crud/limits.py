@@ -1,4 +1,4 @@
-"""Project limits: set them (`peagle projects set`), lock a project to check one, and read what it uses."""
+"""Project limits: set them (`peagle projects set`) and read what a project uses against them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.crud.jobs import UNFINISHED_STATUSES
+from service.crud.locks import lock_project
 from service.crud.usage import storage_used
 from service.db.models import Job, Project
 
@@ -30,26 +31,6 @@ def set_limits(
     if storage_cap_bytes is not UNSET:
         project.storage_cap_bytes = storage_cap_bytes  # type: ignore[assignment]
     return project
-
-
-def lock_project(session: Session, project_id: str) -> Project | None:
-    """The project row, locked until the transaction ends, so that checks of its limits and the writes
-    they admit happen one request at a time.
-
-    Postgres: `SELECT ... FOR UPDATE` on the row. SQLite ignores FOR UPDATE, and its default deferred
-    transaction lets two readers both pass a check before either writes; `BEGIN IMMEDIATE` takes the
-    database's write lock first (waiting out the busy timeout), so the reads after it see every earlier
-    commit and no other writer until ours ends.
-    """
-    conn = session.connection()
-    if conn.dialect.name == "sqlite":
-        dbapi = conn.connection.dbapi_connection
-        # pysqlite opens a transaction only before its first write; one already open holds the lock.
-        if dbapi is not None and not dbapi.in_transaction:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-    query = select(Project).where(Project.id == project_id).with_for_update()
-    # populate_existing: the request loaded the row before the lock; read its limits again under it.
-    return session.scalar(query.execution_options(populate_existing=True))
 
 
 def unfinished_job_count(session: Session, project_id: str) -> int:

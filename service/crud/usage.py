@@ -3,7 +3,7 @@
 Every writer records what it stored (`record_usage`, the worker's hook at each publish point; the API for
 datasets), and every delete goes through `keys_freed_by_job` / `forget_key`, so that a project's usage is
 one query and a DELETE or retention frees what it counted. Writes here take no lock themselves: callers
-that check a cap hold `service.crud.limits.lock_project`; `record_usage` takes it for the worker.
+that check a cap hold `service.crud.locks.lock_project`; `record_usage` takes it for the worker.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from datetime import timedelta
 from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
+from service.crud.locks import lock_project
 from service.db.models import Project, StorageUsage, utcnow
 
 # What the ledger counts (the `kind` column): a reservation is an upload in flight.
@@ -74,8 +75,6 @@ def record_usage(
     """Record that `key` holds `nbytes` of the project's data (for `job_id`, when a job caused it), under
     the project lock; the caller commits. The worker calls this where it publishes (or reuses) an
     artifact, so a delete racing it either sees the row or runs first and leaves nothing to reuse."""
-    from service.crud.limits import lock_project  # limits reads usage: import here, no cycle
-
     if lock_project(session, project_id) is None:
         return
     set_usage(session, project_id, kind, key, nbytes, job_id=job_id)
