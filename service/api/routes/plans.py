@@ -126,7 +126,10 @@ async def get_plan(
 
     def read() -> Plan | None:
         plan = plans_crud.get_plan(db, project_id, plan_id)
-        return _refresh(db, redis, plan) if plan is not None else None
+        if plan is not None:
+            plan = _refresh(db, redis, plan)
+        db.commit()  # end the read (objects stay loaded): a long poll holds no pooled connection
+        return plan
 
     plan = await anyio.to_thread.run_sync(read)
     if plan is None:
