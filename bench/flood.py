@@ -73,7 +73,7 @@ def _spec(tmp: Path, queue: str, **extra: Any) -> dict[str, Any]:
 
 
 async def _flood(
-    base: str, key: str, tmp: str, queue: str, duration: float, plan_workers: int
+    base: str, key: str, tmp: str, queue: str, duration: float, plan_workers: int, kinds: list[str]
 ) -> dict[str, Any]:
     """Project B: plan submitters (long-polling what they got), editor Validates and uploads, for `duration`."""
     import yaml
@@ -95,14 +95,23 @@ async def _flood(
     limits = httpx.Limits(max_connections=plan_workers + 20)
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=60) as client:
 
+        async def send(what: str, http: httpx.AsyncClient, method: str, path: str, **kw: Any) -> Any:
+            try:
+                r = await http.request(method, path, **kw)
+            except httpx.HTTPError as exc:  # a reset keep-alive connection: counted, the flood goes on
+                counts[f"{what}_{type(exc).__name__}"] += 1
+                return None
+            counts[f"{what}_{r.status_code}"] += 1
+            return r
+
         async def plans() -> None:
             while time.monotonic() < end:
-                r = await client.post("/v1/jobs/plan", json={"spec": spec})
-                counts[f"plan_{r.status_code}"] += 1
-                if r.status_code == 202:
+                r = await send("plan", client, "POST", "/v1/jobs/plan", json={"spec": spec})
+                if r is not None and r.status_code == 202:
                     wait = max(0.0, min(20.0, end - time.monotonic()))
-                    r = await client.get(f"/v1/plans/{r.json()['id']}", params={"wait": wait})
-                    counts[f"plan_poll_{r.status_code}"] += 1
+                    await send(
+                        "plan_poll", client, "GET", f"/v1/plans/{r.json()['id']}", params={"wait": wait}
+                    )
                 else:
                     await asyncio.sleep(0.05)
 
@@ -113,20 +122,18 @@ async def _flood(
                 token = CSRF.search((await ui.get("/ui/jobs/new")).text).group(1)
                 while time.monotonic() < end:
                     form = {"spec_yaml": bad_yaml, "csrf_token": token, "action": "validate"}
-                    r = await ui.post("/ui/jobs/new", data=form)
-                    counts[f"validate_{r.status_code}"] += 1
+                    await send("validate", ui, "POST", "/ui/jobs/new", data=form)
 
         async def uploads() -> None:
             while time.monotonic() < end:
-                r = await client.post("/v1/datasets", files={"file": ("d.jsonl", upload)})
-                counts[f"upload_{r.status_code}"] += 1
-                if r.status_code == 201:
-                    await client.delete(f"/v1/datasets/{r.json()['id']}")
+                r = await send("upload", client, "POST", "/v1/datasets", files={"file": ("d.jsonl", upload)})
+                if r is not None and r.status_code == 201:
+                    await send("delete", client, "DELETE", f"/v1/datasets/{r.json()['id']}")
 
         await asyncio.gather(
-            *(plans() for _ in range(plan_workers)),
-            *(edits() for _ in range(4)),
-            *(uploads() for _ in range(4)),
+            *(plans() for _ in range(plan_workers if "plans" in kinds else 0)),
+            *(edits() for _ in range(4 if "edits" in kinds else 0)),
+            *(uploads() for _ in range(4 if "uploads" in kinds else 0)),
         )
     return dict(sorted(counts.items()))
 
@@ -156,6 +163,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=50.0, help="project A's GET /v1/jobs per second")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
     ap.add_argument("--plan-workers", type=int, default=60, help="project B's concurrent plan submitters")
+    ap.add_argument(
+        "--flood", default="plans,edits,uploads", help="what project B floods with (comma-separated)"
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="peagle-flood-"))
@@ -202,7 +212,15 @@ def main() -> None:
             flood_out = ctx.Queue()
             flooder = None
             if phase == "flood":
-                flood_args = (base, key_b, str(tmp), queue, args.duration + 2, args.plan_workers)
+                flood_args = (
+                    base,
+                    key_b,
+                    str(tmp),
+                    queue,
+                    args.duration + 2,
+                    args.plan_workers,
+                    args.flood.split(","),
+                )
                 flooder = ctx.Process(target=_flood_process, args=(flood_args, flood_out))
                 flooder.start()
                 time.sleep(2)  # let the flood build up before measuring
@@ -212,7 +230,7 @@ def main() -> None:
             proc.join()
             flood = None
             if flooder is not None:
-                flood = flood_out.get()
+                flood = flood_out.get(timeout=args.duration + 120)  # bounded: a dead flooder fails the run
                 flooder.join()
             print(
                 json.dumps(
@@ -220,6 +238,7 @@ def main() -> None:
                         "bench": "flood",
                         "endpoint": "GET /v1/jobs",
                         "phase": phase,
+                        **({"flood": args.flood} if phase == "flood" else {}),
                         "backend": backend,
                         "target_rps": args.rate,
                         "duration_s": args.duration,
