@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from service.api import errors
 from service.api.body_limit import BodyLimitMiddleware
+from service.api.fair_share import FairShareMiddleware
 from service.api.quotas import StreamSlots
 from service.api.routes import checkpoints, datasets, health, jobs, plans, tracking
 from service.artifacts import ArtifactStore
@@ -20,6 +21,7 @@ from service.metrics import Metrics, MetricsMiddleware
 from service.queue import queue_depths, redis_from_url
 from service.settings import Settings, get_settings
 from service.ui import install as install_ui
+from service.ui.session import COOKIE as SESSION_COOKIE
 
 
 def _job_counts(sessions: Any) -> dict[str, int]:
@@ -65,6 +67,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=_is_upload)
+    app.add_middleware(
+        FairShareMiddleware, limit=settings.max_writes_in_flight_per_caller, cookie_name=SESSION_COOKIE
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     for module in (health, plans, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)

@@ -106,6 +106,13 @@ class Settings(BaseSettings):
         description="The RQ queues this deployment serves (comma-separated). A spec naming another "
         "`resources.queue` is refused (422), and only these appear in `peagle_queue_depth`.",
     )
+    max_writes_in_flight_per_caller: int = Field(
+        default=8,
+        ge=1,
+        le=1000,
+        description="Write requests (POST, PUT, PATCH, DELETE) one API key or dashboard session may have in "
+        "flight per API process (more: 429 at once), so one caller never holds the shared thread pool.",
+    )
     max_plans_per_key: int = Field(
         default=2, ge=1, le=1000, description="Plans one API key may have in flight at once (more: 429)."
     )

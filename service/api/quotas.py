@@ -8,9 +8,11 @@ admits commits in the same transaction, so N concurrent requests pass at most th
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 
 from sqlalchemy.orm import Session
 
@@ -51,7 +53,13 @@ def _check_allowed_queue(project: Project, queue: str) -> None:
 
 def check_new_job(db: Session, project_id: str, queue: str) -> None:
     """Raise ApiError if the project may not create a job on `queue` now. Locks the project row until the
-    caller's commit, so concurrent creates are counted one after the other."""
+    caller's commit, so concurrent creates are counted one after the other; a refusal rolls back at once
+    (the lock is not held until the request's teardown, which needs a thread of its own)."""
+    with _released_on_refusal(db):
+        _check_new_job(db, project_id, queue)
+
+
+def _check_new_job(db: Session, project_id: str, queue: str) -> None:
     project = lock_project(db, project_id)
     if project is None:
         return
@@ -74,7 +82,12 @@ def check_new_plan(db: Session, project_id: str, key_hash: str, queue: str, sett
     project's allowed queues hold for plans as for jobs, and plans in flight are capped per key
     (PEAGLE_MAX_PLANS_PER_KEY) and per project (PEAGLE_MAX_PLANS_PER_PROJECT, or the project's
     max_running_jobs when lower: a plan occupies a worker as a job does). Locks the project row until the
-    caller's commit."""
+    caller's commit; a refusal rolls back at once."""
+    with _released_on_refusal(db):
+        _check_new_plan(db, project_id, key_hash, queue, settings)
+
+
+def _check_new_plan(db: Session, project_id: str, key_hash: str, queue: str, settings: Settings) -> None:
     project = lock_project(db, project_id)
     if project is None:
         return
@@ -88,6 +101,15 @@ def check_new_plan(db: Session, project_id: str, key_hash: str, queue: str, sett
     per_project = plans_crud.count_in_flight(db, project_id=project_id)
     if per_project >= limit:
         raise _plans_limit(per_project, "this project", name, limit)
+
+
+@contextlib.contextmanager
+def _released_on_refusal(db: Session) -> Iterator[None]:
+    try:
+        yield
+    except ApiError:
+        db.rollback()
+        raise
 
 
 def _plans_limit(n: int, who: str, name: str, limit: int) -> ApiError:

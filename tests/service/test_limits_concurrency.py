@@ -46,7 +46,10 @@ def api(make_settings, redis_conn) -> Iterator[Any]:
 
     from service.app import create_app
 
-    settings = make_settings(max_plans_per_key=3, max_plans_per_project=5, plan_timeout_s=600)
+    # The per-caller cap on writes in flight is lifted here: these tests aim at the limits behind it.
+    settings = make_settings(
+        max_plans_per_key=3, max_plans_per_project=5, plan_timeout_s=600, max_writes_in_flight_per_caller=100
+    )
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         client.app_settings = settings
         yield client
@@ -253,3 +256,41 @@ def test_deleting_a_job_frees_every_byte_it_caused(api, api_key, db_url, spec) -
     assert api.delete(f"/v1/jobs/{ids[1]}", headers=_bearer(api_key)).status_code == 200
     assert not store.exists(shared)
     assert storage_used_of(db_url, project.id) == 0
+
+
+def test_one_caller_holds_at_most_its_share_of_writes_in_flight() -> None:
+    import asyncio
+
+    import httpx
+
+    from service.api.fair_share import FairShareMiddleware
+
+    entered, release = asyncio.Event(), asyncio.Event()
+    inside = 0
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # a write that waits (on a lock, say)
+        nonlocal inside
+        inside += 1
+        if inside == 2:
+            entered.set()
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def scenario() -> tuple[list[int], int, int]:
+        transport = httpx.ASGITransport(app=FairShareMiddleware(app, limit=2, cookie_name="peagle_session"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            key = {"Authorization": "Bearer a"}
+            held = [asyncio.create_task(c.post("/x", headers=key)) for _ in range(2)]
+            await entered.wait()
+            refused = await c.post("/x", headers=key)  # answered at once, while both still wait
+            other = asyncio.create_task(c.post("/x", headers={"Authorization": "Bearer b"}))
+            read = asyncio.create_task(c.get("/x", headers=key))  # reads are not capped
+            while inside < 4:
+                await asyncio.sleep(0)
+            release.set()
+            codes = [r.status_code for r in await asyncio.gather(*held, other, read)]
+            return codes, refused.status_code, refused.json()["error"]["code"] == "too_many_in_flight"
+
+    codes, refused, named = asyncio.run(scenario())
+    assert codes == [200, 200, 200, 200] and refused == 429 and named
