@@ -170,9 +170,30 @@ class PeagleClient:
         self, spec: dict[str, Any], *, recalibrate: bool = False, timeout: float = 3600.0
     ) -> dict[str, Any]:
         """What the job would cost (counts, cache bytes, steps, time per stage); creates nothing. A worker
-        computes it, so this waits up to the server's plan timeout (`timeout` bounds the HTTP wait)."""
+        computes it: this submits the plan and long-polls it until it is answered (`timeout` bounds the
+        whole wait). A refused spec or data raises ClientError 422 naming the field or line; no worker
+        answering in the server's plan timeout raises 503 `plan_timeout`."""
         params = {"recalibrate": "true"} if recalibrate else None
-        return self._json("POST", "/v1/jobs/plan", json={"spec": spec}, params=params, timeout=timeout)
+        plan = self._json("POST", "/v1/jobs/plan", json={"spec": spec}, params=params)
+        deadline = time.monotonic() + timeout
+        while plan["status"] not in ("succeeded", "failed"):
+            wait = min(20.0, max(0.0, deadline - time.monotonic()))
+            if wait <= 0:
+                raise ClientError(
+                    0, "timeout", "plan_wait_timeout", f"plan {plan['id']} not answered in {timeout} s"
+                )
+            plan = self._json("GET", f"/v1/plans/{plan['id']}", params={"wait": wait}, timeout=wait + 30)
+        if plan["status"] == "failed":
+            err = plan.get("error") or {}
+            code = str(err.get("code") or "plan_failed")
+            status = {"plan_timeout": 503, "queue_unavailable": 503, "plan_failed": 502}.get(code, 422)
+            raise ClientError(status, str(err.get("type") or "api_error"), code, str(err.get("message")),
+                              err.get("param"))  # fmt: skip
+        return plan["result"]
+
+    def get_plan(self, plan_id: str, *, wait: float = 0.0) -> dict[str, Any]:
+        """A plan as the API stores it (status, result or error), long-polling up to `wait` seconds."""
+        return self._json("GET", f"/v1/plans/{plan_id}", params={"wait": wait}, timeout=wait + 30)
 
     def list_jobs(
         self, *, status: str | None = None, limit: int | None = None, after: str | None = None

@@ -11,26 +11,22 @@ from fastapi import FastAPI
 
 from service.api import errors
 from service.api.body_limit import BodyLimitMiddleware
+from service.api.fair_share import FairShareMiddleware
 from service.api.quotas import StreamSlots
 from service.api.routes import checkpoints, datasets, health, jobs, plans, tracking
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
 from service.db.session import session_factory
 from service.metrics import Metrics, MetricsMiddleware
-from service.queue import redis_from_url
+from service.queue import queue_depths, redis_from_url
 from service.settings import Settings, get_settings
 from service.ui import install as install_ui
+from service.ui.session import COOKIE as SESSION_COOKIE
 
 
 def _job_counts(sessions: Any) -> dict[str, int]:
     with sessions() as db:
         return count_by_status(db)
-
-
-def _queue_depths(redis: Any) -> dict[str, int]:
-    from rq import Queue
-
-    return {q.name: q.count for q in Queue.all(connection=redis)}
 
 
 def _is_upload(method: str, path: str) -> bool:
@@ -66,10 +62,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics()
     app.state.streams = StreamSlots(settings.max_streams_per_key)
     app.state.metrics.track_state(
-        functools.partial(_job_counts, app.state.sessions), functools.partial(_queue_depths, app.state.redis)
+        functools.partial(_job_counts, app.state.sessions),
+        functools.partial(queue_depths, app.state.redis, settings.queues),
     )
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=_is_upload)
+    app.add_middleware(
+        FairShareMiddleware, limit=settings.max_writes_in_flight_per_caller, cookie_name=SESSION_COOKIE
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     for module in (health, plans, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)

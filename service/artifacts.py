@@ -94,6 +94,13 @@ class ArtifactStore:
         except FileNotFoundError:
             raise ArtifactError(f"artifact {key} not found", code="not_found", param="key") from None
 
+    def size_under(self, key: str) -> int:
+        """Bytes of every file under `key` (a file or a directory); 0 when it does not exist."""
+        path = self._path(key)
+        if not self.fs.exists(path):
+            return 0
+        return int(self.fs.du(path, total=True))
+
     def open_read(self, key: str) -> IO[bytes]:
         try:
             return self.fs.open(self._path(key), "rb")

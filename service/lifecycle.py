@@ -9,13 +9,15 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.orm import Session
 
 from service.artifacts import ArtifactStore
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
-from service.crud import idempotency
+from service.crud import idempotency, plans, usage
 from service.crud import jobs as jobs_crud
+from service.crud.limits import lock_project
 from service.db.models import Checkpoint, Dataset, Job, utcnow
 from service.settings import Settings
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 def delete_checkpoint(session: Session, store: ArtifactStore, ckpt: Checkpoint) -> None:
     store.delete(ckpt.uri)
     checkpoints_crud.delete_checkpoint(session, ckpt.id)
+    usage.forget_key(session, ckpt.project_id, ckpt.uri)
 
 
 def delete_dataset(session: Session, store: ArtifactStore, ds: Dataset) -> None:
@@ -32,15 +35,29 @@ def delete_dataset(session: Session, store: ArtifactStore, ds: Dataset) -> None:
     if not ds.uri.startswith(f"datasets/{ds.id}/"):
         store.delete(ds.uri)
     datasets_crud.delete_dataset(session, ds.id)
+    usage.forget_key(session, ds.project_id, ds.uri)
 
 
 def delete_job(session: Session, store: ArtifactStore, job: Job) -> bool:
-    """Delete a terminal job's checkpoints, work directory and rows; False (nothing touched) otherwise."""
+    """Delete a terminal job's checkpoints, work directory (training checkpoints, tracker files), the
+    derived data no other job of its project references (prepared and regenerated data, caches), and its
+    rows; False (nothing touched) otherwise.
+
+    The project is locked first: a worker recording that another job reuses one of those keys
+    (`usage.record_usage`) either lands before, and keeps the key alive, or after, and finds it gone."""
+    lock_project(session, job.project_id)
+    try:
+        session.refresh(job)  # read before the lock: a concurrent request may have changed it
+    except InvalidRequestError:  # deleted meanwhile
+        return False
     if job.status not in ("succeeded", "failed", "cancelled"):
         return False
     for ckpt in checkpoints_crud.list_for_job(session, job.id):
         store.delete(ckpt.uri)
+    for key in usage.keys_freed_by_job(session, job.project_id, job.id):
+        store.delete(key)
     store.delete(f"jobs/{job.id}")
+    usage.forget_job(session, job.id)
     return jobs_crud.delete_job(session, job.id)
 
 
@@ -58,9 +75,11 @@ def apply_retention(session: Session, store: ArtifactStore, days: float, batch: 
 
 
 def housekeeping(session: Session, settings: Settings) -> list[str]:
-    """The reconciler's periodic clean-up: purge expired idempotency keys, then apply the retention
-    period if one is set. Returns the ids of the jobs deleted."""
+    """The reconciler's periodic clean-up: purge expired idempotency keys, stale upload reservations and
+    old plans, then apply the retention period if one is set. Returns the ids of the jobs deleted."""
     idempotency.purge_expired(session)
+    usage.purge_expired(session)
+    plans.purge_finished(session)
     session.commit()
     if settings.retention_days is None:
         return []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from redis import Redis
@@ -12,6 +13,7 @@ from rq.job import JobStatus
 
 RUN_JOB_FUNC = "worker.tasks.run_job"
 PLAN_FUNC = "worker.tasks.plan_job"
+PLAN_RESULT_TTL_S = 24 * 3600  # a plan's answer waits this long in Redis for the API to read it
 
 # An RQ job in one of these is waiting for or held by a worker: enqueueing again would run it twice.
 _LIVE = frozenset({JobStatus.QUEUED, JobStatus.STARTED, JobStatus.SCHEDULED, JobStatus.DEFERRED})
@@ -65,28 +67,54 @@ def enqueue_run(redis: Redis, job_id: str, queue_name: str, timeout_s: int) -> R
         return RQJob.fetch(job_id, connection=redis)
 
 
-def enqueue_plan(redis: Redis, queue_name: str, spec: dict, data: dict, timeout_s: float, *,
+def enqueue_plan(redis: Redis, queue_name: str, plan_id: str, spec: dict, data: dict, timeout_s: float, *,
                  recalibrate: bool = False) -> RQJob:  # fmt: skip
-    """Ask a worker of `queue_name` for the plan of `spec`, ahead of queued jobs; dropped if nobody takes it
-    within `timeout_s` (its asker has given up by then)."""
+    """Ask a worker of `queue_name` for the plan of `spec` (RQ id == `plan_id`). Plans go ahead of queued
+    jobs (they are short, and each project has only a few in flight); one nobody takes within `timeout_s`
+    is dropped, and its answer is kept for the asker to read (`plan_outcome`)."""
     return Queue(queue_name, connection=redis).enqueue_call(
         PLAN_FUNC,
         args=(spec, data, recalibrate),
-        timeout=int(timeout_s),
-        ttl=int(timeout_s) + 60,  # outlives the asker's wait, so that it can still withdraw the request
-        result_ttl=600,
-        failure_ttl=600,
+        job_id=plan_id,
+        timeout=max(1, int(timeout_s)),
+        ttl=max(1, int(timeout_s)),
+        result_ttl=PLAN_RESULT_TTL_S,
+        failure_ttl=PLAN_RESULT_TTL_S,
         at_front=True,
         description="peagle plan",
     )
 
 
-def withdraw_plan(redis: Redis, queue_name: str, job: RQJob) -> None:
+def plan_outcome(redis: Redis, plan_id: str) -> tuple[str, object]:
+    """Where the plan's RQ job stands: ("queued"|"running", None), ("succeeded", its return value),
+    ("failed", None) or ("missing", None) when RQ no longer knows it."""
+    try:
+        job = RQJob.fetch(plan_id, connection=redis)
+    except NoSuchJobError:
+        return "missing", None
+    status = job.get_status(refresh=False)
+    if status == JobStatus.FINISHED:
+        return "succeeded", job.return_value()
+    if status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+        return "failed", None
+    if status == JobStatus.STARTED:
+        return "running", None
+    return "queued", None
+
+
+def withdraw_plan(redis: Redis, queue_name: str, plan_id: str) -> None:
     """Take an unanswered plan request off its queue, so that no worker computes it for nobody."""
-    Queue(queue_name, connection=redis).remove(job.id)
+    Queue(queue_name, connection=redis).remove(plan_id)
     # one a worker took meanwhile finishes, and its result expires on its own (result_ttl)
-    if job.get_status(refresh=True) in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
-        job.delete()
+    with contextlib.suppress(NoSuchJobError):
+        job = RQJob.fetch(plan_id, connection=redis)
+        if job.get_status(refresh=False) in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
+            job.delete()
+
+
+def queue_depths(redis: Redis, queue_names: list[str]) -> dict[str, int]:
+    """Jobs waiting in each configured queue (only those: a made-up name never becomes a series)."""
+    return {name: Queue(name, connection=redis).count for name in queue_names}
 
 
 def _alive_key(job_id: str, attempt: int) -> str:

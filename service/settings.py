@@ -93,7 +93,35 @@ class Settings(BaseSettings):
         default=7 * 24 * 3600, ge=60, description="Hard RQ timeout for one job attempt, in seconds."
     )
     plan_timeout_s: float = Field(
-        default=600.0, gt=0, le=3600, description="How long POST /v1/jobs/plan waits for a worker's plan."
+        default=600.0,
+        gt=0,
+        le=3600,
+        description="How long a plan (POST /v1/jobs/plan) may wait for and run on a worker before it fails "
+        "with plan_timeout.",
+    )
+    queues: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["default"],
+        min_length=1,
+        max_length=64,
+        description="The RQ queues this deployment serves (comma-separated). A spec naming another "
+        "`resources.queue` is refused (422), and only these appear in `peagle_queue_depth`.",
+    )
+    max_writes_in_flight_per_caller: int = Field(
+        default=8,
+        ge=1,
+        le=1000,
+        description="Write requests (POST, PUT, PATCH, DELETE) one API key or dashboard session may have in "
+        "flight per API process (more: 429 at once), so one caller never holds the shared thread pool.",
+    )
+    max_plans_per_key: int = Field(
+        default=2, ge=1, le=1000, description="Plans one API key may have in flight at once (more: 429)."
+    )
+    max_plans_per_project: int = Field(
+        default=4,
+        ge=1,
+        le=1000,
+        description="Plans one project may have in flight at once (more: 429); a project's "
+        "max_running_jobs lowers it further.",
     )
     reconcile_interval_s: float = Field(
         default=30.0, gt=0, description="How often the reconciler compares the database with the queue."
@@ -151,7 +179,7 @@ class Settings(BaseSettings):
     @classmethod
     def _split_roots(cls, data: object) -> object:
         if isinstance(data, dict):
-            for key in ("allowed_model_roots", "allowed_data_roots"):
+            for key in ("allowed_model_roots", "allowed_data_roots", "queues"):
                 if key in data:
                     data[key] = _split_paths(data[key])
         return data

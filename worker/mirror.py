@@ -14,6 +14,7 @@ import logging
 import posixpath
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -75,6 +76,7 @@ class CheckpointMirror:
         *,
         current_uri: str | None = None,
         poll_s: float = 1.0,
+        on_mirrored: Callable[[int], None] | None = None,
     ):
         self.store = store
         self.sessions = sessions
@@ -84,6 +86,7 @@ class CheckpointMirror:
         self.poll_s = poll_s
         self.current_uri = current_uri  # the resume point recorded on the row
         self.mirrored = 0
+        self.on_mirrored = on_mirrored  # called with the bytes of each checkpoint recorded (storage ledger)
         self.lost = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -115,7 +118,7 @@ class CheckpointMirror:
             if self.current_uri is not None and posixpath.basename(self.current_uri) == name:
                 return  # already recorded (by this attempt, or the one it resumed from)
             key = f"jobs/{self.job_id}/checkpoints/a{self.attempt}/{name}"
-            self.store.publish_dir(self.work_dir / "checkpoints" / name, key)
+            files = self.store.publish_dir(self.work_dir / "checkpoints" / name, key)
             with self.sessions() as session:
                 ours = set_resume_point(session, self.job_id, self.attempt, key, step_of(name))
                 session.commit()
@@ -128,6 +131,8 @@ class CheckpointMirror:
                 return
             previous, self.current_uri = self.current_uri, key
             self.mirrored += 1
+            if self.on_mirrored is not None:
+                self.on_mirrored(sum(f["size"] for f in files))
             if previous is not None:
                 self.store.delete(previous)
 

@@ -46,10 +46,12 @@ def regenerated_source(
     event: Event,
     on_progress: Callable[[dict[str, Any]], None],
     should_stop: Callable[[], bool],
+    on_stored: Callable[[str, Path], None] | None = None,
 ) -> tuple[Path, str] | None:
     """`(path, sha256)` of the regenerated JSONL for this job, or None when `should_stop` stopped it.
 
     The stage is entered (`enter_stage`) only when there is generating to do; a reused result is a log event.
+    `on_stored(key, local_dir)` is told where the result lives once it is reused or published.
     """
     params = params_for_spec(spec)
     verifier_fp = verifier_fingerprint(spec.verifier.name_or_path, spec.verifier.revision)
@@ -77,6 +79,8 @@ def regenerated_source(
                 f"reusing regenerated data {fp[:12]} ({prov['counts']['written']} conversations)",
                 {"kind": "regenerate", "reused": True, "fingerprint": fp, "counts": prov["counts"]},
             )
+            if on_stored is not None:
+                on_stored(key, work_dir)
             return out, sha256_file(out)
         resumed = _work_log_rows(work_log_path(out))
         enter_stage(
@@ -119,6 +123,8 @@ def regenerated_source(
     )
     if local is None:
         store.publish_dir(work_dir, key)
+    if on_stored is not None:
+        on_stored(key, work_dir)
     return out, sha256_file(out)
 
 

@@ -44,6 +44,8 @@ from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 from worker.regen_stage import regenerated_source
 from worker.trackers import JobTrackers
+from worker.usage import local_bytes
+from worker.usage import record as record_usage
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class JobRunner:
         self.stage = "claim"
         self.published_dir: Path | None = None  # the export `_publish` published (trackers upload it)
         self.attempt = 0  # set by the claim
+        self.cache: tuple[str, str, Path] | None = (
+            None  # (project, key, path) of the job's hidden-state cache
+        )
 
     # -- database access: fenced by the attempt, retried through an outage ---------------------------
 
@@ -100,7 +105,15 @@ class JobRunner:
             self.settings, self.sessions, self.store, self.job_id, job.project_id, self.attempt, spec
         ).start()
         mirror = CheckpointMirror(
-            self.store, self.sessions, self.job_id, self.attempt, work_dir, current_uri=job.resume_uri
+            self.store,
+            self.sessions,
+            self.job_id,
+            self.attempt,
+            work_dir,
+            current_uri=job.resume_uri,
+            on_mirrored=lambda nbytes: self._charge(
+                job.project_id, "training_checkpoint", f"jobs/{self.job_id}/checkpoints", nbytes=nbytes
+            ),
         )
         try:
             try:
@@ -146,6 +159,7 @@ class JobRunner:
             raise
         finally:
             monitor.stop()
+            self._charge_cache()
             trackers.finish(self.published_dir)
             shutil.rmtree(work_dir, ignore_errors=True)  # the store holds the resume point
 
@@ -250,6 +264,7 @@ class JobRunner:
                 event=self._event,
                 on_progress=lambda p: progress.set_fields(regenerate=p, eta_s=p["eta_s"]),
                 should_stop=monitor.should_stop_now,
+                on_stored=lambda key, path: self._charge(job.project_id, "regenerated", key, path),
             )
             if regenerated is None:
                 return Outcome(status="stopped", step=0, export_dir=None, checkpoint_dir=None, metrics={})
@@ -349,18 +364,22 @@ class JobRunner:
         local = self.store.local_path(key)
         if local is not None:
             if (local / "manifest.json").is_file():
+                self._charge(project_id, "prepared", key, local)
                 return local, True
             with atomic_dir(local) as tmp:
                 prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
+            self._charge(project_id, "prepared", key, local)
             return local, False
         scratch = out_dir / "prepared"
         if self.store.exists(f"{key}/manifest.json"):
             if not (scratch / "manifest.json").is_file():
                 self.store.fetch_dir(key, scratch)
+            self._charge(project_id, "prepared", key, scratch)
             return scratch, True
         with atomic_dir(scratch) as tmp:
             prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
         self.store.publish_dir(scratch, key)
+        self._charge(project_id, "prepared", key, scratch)
         return scratch, False
 
     def _cache_dir(self, spec: JobSpec, dataset_dir: Path, project_id: str) -> Path:
@@ -379,7 +398,31 @@ class JobRunner:
         }
         key = "caches/hs-" + hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
         local = self.store.local_path(key)
-        return local if local is not None else Path(self.settings.data_dir) / "scratch" / key
+        path = local if local is not None else Path(self.settings.data_dir) / "scratch" / key
+        # Charged now (a reuse keeps the key alive against a concurrent delete) and after training.
+        self.cache = (project_id, key, path)
+        self._charge(project_id, "cache", key, path)
+        return path
+
+    # -- storage ledger ----------------------------------------------------------------------------
+
+    def _charge(self, project_id: str, kind: str, key: str, local: Path | None = None, *,
+                nbytes: int | None = None) -> None:  # fmt: skip
+        """Record the bytes under `key` for this job (from `local` when the data lives there)."""
+        if nbytes is None:
+            nbytes = local_bytes(local) if local is not None else self.store.size_under(key)
+        record_usage(self.sessions, project_id, self.job_id, kind, key, nbytes,
+                     tolerance_s=self.settings.db_outage_tolerance_s)  # fmt: skip
+
+    def _charge_cache(self) -> None:
+        """The cache's bytes once training built (part of) it; an accounting failure fails no job."""
+        if self.cache is None:
+            return
+        project_id, key, path = self.cache
+        try:
+            self._charge(project_id, "cache", key, path)
+        except Exception as exc:
+            log.error("job %s: the cache's storage was not recorded: %s", self.job_id, exc)
 
     # -- publish -----------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from service.crud.jobs import holder
 from service.crud.metrics import metrics_after
 from service.settings import Settings
 from service.tracking import tensorboard_key
+from worker.usage import record as record_usage
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,10 @@ class JobTrackers:
                 )
             if tracker in self.trackers:
                 self._call(tracker.name, "close", lambda t=tracker: t.close(status))
+        if "tensorboard" in self.spec.tracking.report_to:  # its event files count against the project
+            key = tensorboard_key(self.job_id)
+            self._call("tensorboard", "storage record", lambda: record_usage(
+                self.sessions, self.project_id, self.job_id, "tracker", key, self.store.size_under(key)))  # fmt: skip
 
     def _forward(self) -> None:
         """Send the attempt's metric rows logged since the last call to every live tracker."""

@@ -93,6 +93,31 @@ class Job(_Out):
     updated_at: datetime
 
 
+PlanStatus = Literal["queued", "running", "succeeded", "failed"]
+PLAN_OPS = ("get_plan_v1_plans__plan_id__get",)
+
+
+class Plan(_Out):
+    """A plan request, answered asynchronously: poll it until `status` is succeeded or failed."""
+
+    id: str
+    object: Literal["plan"] = "plan"
+    status: PlanStatus
+    queue: str
+    result: dict[str, Any] | None = Field(
+        description="When succeeded: counts after preparation, cache bytes per dtype against "
+        "`max_cache_bytes` and free space, optimizer steps and a wall-time estimate per stage "
+        "(`estimates_from`: calibration or stored)."
+    )
+    error: ErrorBody | None = Field(
+        description="When failed: the spec or data problem (`invalid_request_error`, naming the field or "
+        "line), `plan_timeout` (no worker of the queue answered in time) or `plan_failed`."
+    )
+    created_at: datetime
+    deadline_at: datetime = Field(description="A plan unanswered by then fails with plan_timeout.")
+    finished_at: datetime | None
+
+
 class Page(BaseModel):
     has_more: bool
     next_cursor: str | None = Field(default=None, description="Pass as `after` to get the next page.")

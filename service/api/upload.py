@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +36,8 @@ class SpooledFile:
 class _FilePart:
     """Collects the headers of each part and writes the data of the wanted field to `out`."""
 
-    def __init__(self, field: str, out: Path, max_bytes: int):
-        self.field, self.out, self.max_bytes = field, out, max_bytes
+    def __init__(self, field: str, out: Path, max_bytes: int, over_limit: Callable[[int], ApiError] | None):
+        self.field, self.out, self.max_bytes, self.over_limit = field, out, max_bytes, over_limit
         self.header_name = b""
         self.header_value = b""
         self.headers: dict[bytes, bytes] = {}
@@ -81,6 +82,8 @@ class _FilePart:
         chunk = data[start:end]
         self.size += len(chunk)
         if self.size > self.max_bytes:
+            if self.over_limit is not None:
+                raise self.over_limit(self.max_bytes)
             raise ApiError(413, f"the upload exceeds the limit of {self.max_bytes} bytes", param=self.field)
         self.hash.update(chunk)
         self.fh.write(chunk)
@@ -96,8 +99,16 @@ class _FilePart:
             self.fh = None
 
 
-async def spool_multipart_file(request: Request, field: str, dest: Path, max_bytes: int) -> SpooledFile:
-    """Write the multipart field `field` of `request` to `dest`; 413 over `max_bytes`, 422 if absent.
+async def spool_multipart_file(
+    request: Request,
+    field: str,
+    dest: Path,
+    max_bytes: int,
+    *,
+    over_limit: Callable[[int], ApiError] | None = None,
+) -> SpooledFile:
+    """Write the multipart field `field` of `request` to `dest`; 413 over `max_bytes` (or the error
+    `over_limit(max_bytes)` makes, when the limit is a quota rather than the upload cap), 422 if absent.
 
     On any error `dest` is removed.
     """
@@ -109,8 +120,10 @@ async def spool_multipart_file(request: Request, field: str, dest: Path, max_byt
     declared = request.headers.get("content-length")
     # Multipart framing adds well under 64 KiB; a larger declared body can be refused unread.
     if declared and declared.isdigit() and int(declared) > max_bytes + (64 << 10):
+        if over_limit is not None:
+            raise over_limit(max_bytes)
         raise ApiError(413, f"the upload exceeds the limit of {max_bytes} bytes", param=field)
-    part = _FilePart(field, dest, max_bytes)
+    part = _FilePart(field, dest, max_bytes, over_limit)
     parser = MultipartParser(opts[b"boundary"], part.callbacks())
 
     def feed(chunks: list[bytes]) -> None:

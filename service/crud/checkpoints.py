@@ -8,6 +8,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.artifacts import FileEntry, manifest_sha256
+from service.crud.usage import set_usage
 from service.db.models import Checkpoint, utcnow
 
 
@@ -23,8 +24,9 @@ def add_checkpoint(
     servable: str = "unverified",
     checkpoint_id: str | None = None,
 ) -> Checkpoint:
-    """Add the row of a directory `ArtifactStore.publish_dir` has published under `uri` (the caller
-    commits). Its sha256 and size are derived from `files`, the list `publish_dir` returned."""
+    """Add the row of a directory `ArtifactStore.publish_dir` has published under `uri`, and its bytes to
+    the project's storage ledger (the caller commits). Its sha256 and size are derived from `files`, the
+    list `publish_dir` returned."""
     row = Checkpoint(
         job_id=job_id,
         project_id=project_id,
@@ -40,6 +42,7 @@ def add_checkpoint(
     if checkpoint_id is not None:
         row.id = checkpoint_id
     session.add(row)
+    set_usage(session, project_id, "checkpoint", uri, row.size, job_id=job_id)
     return row
 
 

@@ -6,6 +6,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from service.crud.pagination import newest_first_page
+from service.crud.usage import set_usage
 from service.db.models import Dataset, utcnow
 
 
@@ -21,7 +22,8 @@ def add_dataset(
     num_records: int,
     format: str,
 ) -> Dataset:
-    """Add the row of a JSONL already stored under `uri` (the caller commits)."""
+    """Add the row of a JSONL already stored under `uri`, and its bytes to the project's storage ledger
+    (the caller commits)."""
     row = Dataset(
         id=dataset_id,
         project_id=project_id,
@@ -34,6 +36,7 @@ def add_dataset(
         created_at=utcnow(),
     )
     session.add(row)
+    set_usage(session, project_id, "dataset", uri, size)
     return row
 
 

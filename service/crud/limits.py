@@ -6,7 +6,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.crud.jobs import UNFINISHED_STATUSES
-from service.db.models import Checkpoint, Dataset, Job, Project
+from service.crud.locks import lock_project
+from service.crud.usage import storage_used
+from service.db.models import Job, Project
+
+__all__ = ["UNSET", "lock_project", "set_limits", "storage_used", "unfinished_job_count"]
 
 UNSET = object()
 
@@ -29,23 +33,6 @@ def set_limits(
     return project
 
 
-def lock_project(session: Session, project_id: str) -> Project | None:
-    """The project row, locked until the transaction ends on Postgres (SQLite serialises writers), so two
-    concurrent creates cannot both pass a limit check."""
-    return session.scalar(select(Project).where(Project.id == project_id).with_for_update())
-
-
 def unfinished_job_count(session: Session, project_id: str) -> int:
     query = select(func.count()).where(Job.project_id == project_id, Job.status.in_(UNFINISHED_STATUSES))
     return int(session.scalar(query) or 0)
-
-
-def storage_used(session: Session, project_id: str) -> int:
-    """Bytes of the project's datasets and published checkpoints."""
-    datasets = session.scalar(
-        select(func.coalesce(func.sum(Dataset.size), 0)).where(Dataset.project_id == project_id)
-    )
-    ckpts = session.scalar(
-        select(func.coalesce(func.sum(Checkpoint.size), 0)).where(Checkpoint.project_id == project_id)
-    )
-    return int(datasets or 0) + int(ckpts or 0)

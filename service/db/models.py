@@ -221,3 +221,57 @@ class IdempotencyKey(Base):
     request_hash: Mapped[str] = mapped_column(String(64), doc="sha256 of the canonical request body.")
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Plan(Base):
+    """A plan request (`POST /v1/jobs/plan`): queued for a worker, answered asynchronously, polled by id."""
+
+    __tablename__ = "plans"
+    __table_args__ = (
+        Index("ix_plans_project_status", "project_id", "status"),
+        Index("ix_plans_key_status", "key_hash", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("plan"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    key_hash: Mapped[str] = mapped_column(
+        String(64), doc="The API key that asked (plans are limited per key)."
+    )
+    queue: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="queued")  # queued, running, succeeded, failed
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSONType, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    deadline_at: Mapped[datetime] = mapped_column(
+        UTCDateTime(), doc="Unfinished by then: failed, plan_timeout."
+    )
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class StorageUsage(Base):
+    """The storage ledger: bytes under one artifact key, charged to a project.
+
+    One row per (key, job) reference: a key several jobs of a project reuse (prepared data, a cache) has a
+    row per job and is counted once (its largest size); its files go when the last row does. Rows without
+    a job belong to the project (datasets) or are upload reservations (`expires_at` set, `kind` reservation).
+    """
+
+    __tablename__ = "storage_usage"
+    __table_args__ = (
+        Index("ix_storage_usage_project_key", "project_id", "key"),
+        Index("ix_storage_usage_job_id", "job_id"),
+    )
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    key: Mapped[str] = mapped_column(
+        String(1024), doc="Artifact key (file or directory) the bytes live under."
+    )
+    # No foreign key: the row must outlive the job's until its files are deleted (service.lifecycle).
+    job_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)

@@ -33,6 +33,11 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         kwargs.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
+        if parsed.database and parsed.database != ":memory:":
+            # As for Postgres below: a connection for each of the API's 40 threadpool workers, so a thread
+            # waiting for the write lock never leaves the others queueing for a connection.
+            kwargs.setdefault("pool_size", 10)
+            kwargs.setdefault("max_overflow", 40)
         engine = create_engine(url, **kwargs)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

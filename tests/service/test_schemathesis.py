@@ -13,7 +13,7 @@ CHECKS = [not_a_server_error, response_schema_conformance]
 def test_no_server_errors_and_schema_conformance(app, auth, redis_conn) -> None:
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 21  # every method+path, health and metrics included
+    assert len(operations) == 22  # every method+path, health and metrics included
 
     for operation in operations:
 

@@ -145,6 +145,28 @@ def test_another_projects_pages_and_downloads_answer_404(
     assert job["id"] not in client.get("/ui/fragments/jobs?status=running").text
 
 
+def test_editor_renders_thousands_of_errors_in_linear_time_showing_the_first_50(
+    client, api_key, spec
+) -> None:
+    sign_in(client, api_key)
+    token = csrf_of(client, "/ui/jobs/new")
+    # One error per list item, each on a line of its own: the page used to match every error against
+    # every line (6000 x 6000).
+    many = {**spec, "verifier": {**spec["verifier"], "layer_ids": ["x"] * 6000}}
+    text = yaml.safe_dump(many, sort_keys=False)
+    r = client.post("/ui/jobs/new", data={"spec_yaml": text, "csrf_token": token, "action": "validate"})
+    assert r.status_code == 200
+    assert "6000 problems in the spec (the first 50 shown)" in r.text
+    assert r.text.count('class="field-error"') == 50
+    first = next(i for i, line in enumerate(text.splitlines(), 1) if line.strip() == "- x")
+    assert f'data-param="verifier.layer_ids.0" data-line="{first}"' in r.text
+    assert r.text.count('<span class="bad"') == 50  # the gutter marks the 50 lines shown
+
+    unknown = {**spec, "resources": {"queue": "made-up"}}
+    r = client.post("/ui/jobs/new", data={"spec_yaml": yaml.safe_dump(unknown), "csrf_token": token})
+    assert 'data-param="resources.queue"' in r.text and "unknown queue" in r.text
+
+
 def test_editor_shows_errors_at_their_line_and_submits_through_the_api(client, auth, api_key, spec) -> None:
     sign_in(client, api_key)
     token = csrf_of(client, "/ui/jobs/new")

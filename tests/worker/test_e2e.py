@@ -252,6 +252,29 @@ def test_offline_and_hybrid_jobs_fill_the_cache(
     (ckpt,) = stack.checkpoints(hybrid)
     assert ckpt.metrics["verifier_calls"] == first["verifier_calls"]
 
+    # The storage ledger holds every byte the jobs caused; deleting one frees what only it used.
+    from sqlalchemy import select
+
+    from service.crud.usage import storage_used
+    from service.db.models import Job, StorageUsage
+    from service.lifecycle import delete_job
+
+    with stack.sessions() as s:
+        rows = s.scalars(select(StorageUsage).where(StorageUsage.project_id == stack.project_id)).all()
+        used = storage_used(s, stack.project_id)
+    mine = {r.kind: r.key for r in rows if r.job_id == offline and r.bytes > 0}
+    assert set(mine) >= {"prepared", "cache", "checkpoint", "training_checkpoint"}, rows
+    shared = {r.key for r in rows if r.job_id == hybrid} & {mine["prepared"]}
+    assert shared  # both jobs prepared the same data once
+    store = ArtifactStore(stack.settings.artifact_root)
+    assert used >= sum(store.size_under(key) for key in set(mine.values()))
+    with stack.sessions() as s:
+        assert delete_job(s, store, s.get(Job, offline))
+        s.commit()
+        assert storage_used(s, stack.project_id) < used
+    assert not store.exists(mine["cache"]) and not store.exists(mine["checkpoint"])
+    assert store.exists(mine["prepared"])  # the hybrid job still references it
+
 
 def test_two_rank_job_runs_under_torchrun(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path

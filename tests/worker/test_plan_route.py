@@ -1,13 +1,14 @@
-"""POST /v1/jobs/plan through the real API and a real worker: the plan comes back, rates are stored and
-reused, nothing is queued, bad data is a 422, and no free worker is a 503 (not a hang)."""
+"""POST /v1/jobs/plan through the real API and a real worker: 202 and a plan to poll, answered by the
+worker (through the SDK, as `peagle jobs plan` uses it); rates are stored and reused, nothing is queued, bad
+data is a 422 naming the line, and no free worker fails the plan with plan_timeout (never a hang)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from client.sdk import ClientError, PeagleClient
 from tests.worker.conftest import Stack, toy_spec
 
 
@@ -46,8 +47,14 @@ def test_a_worker_plans_the_job_and_nothing_is_queued(
     )
     stack.worker()
     r = client.post("/v1/jobs/plan", json={"spec": spec})
-    assert r.status_code == 200, r.text
-    plan = r.json()
+    assert r.status_code == 202, r.text
+    assert r.json()["status"] == "queued" and r.headers["location"] == f"/v1/plans/{r.json()['id']}"
+    sdk = PeagleClient(str(client.base_url), None, http=client)
+    answered = sdk.get_plan(r.json()["id"], wait=60)
+    while answered["status"] not in ("succeeded", "failed"):
+        answered = sdk.get_plan(r.json()["id"], wait=60)
+    assert answered["status"] == "succeeded", answered
+    plan = answered["result"]
     assert plan["estimates_from"] == "calibration"
     assert plan["counts"]["samples"] == 16 and plan["optimizer_steps"] == 3
     assert set(plan["stages_s"]) == {"regenerate", "hidden_states", "train", "eval"}
@@ -55,14 +62,14 @@ def test_a_worker_plans_the_job_and_nothing_is_queued(
     assert set(plan["cache"]["by_dtype"]) == {"bf16", "fp8", "fp32"}
     assert plan["cache"]["free_bytes"] > 0
 
-    again = client.post("/v1/jobs/plan", json={"spec": spec}).json()
+    again = sdk.plan_job(spec)
     assert again["estimates_from"] == "stored" and again["stages_s"] == plan["stages_s"]
     assert client.get("/v1/jobs").json()["data"] == []  # planning created no job
 
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')  # no assistant turn
-    bad = client.post("/v1/jobs/plan", json={"spec": spec})
-    assert bad.status_code == 422, bad.text
-    assert bad.json()["error"]["param"] == "line 1" and "assistant" in bad.json()["error"]["message"]
+    with pytest.raises(ClientError) as bad:
+        sdk.plan_job(spec)
+    assert bad.value.status == 422 and bad.value.param == "line 1" and "assistant" in bad.value.message
 
 
 def test_no_free_worker_is_a_503_not_a_hang(
@@ -81,6 +88,8 @@ def test_no_free_worker_is_a_503_not_a_hang(
     with TestClient(create_app(short), raise_server_exceptions=False) as client:
         client.headers.update(api[0].headers)
         r = client.post("/v1/jobs/plan", json={"spec": spec})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "plan_timeout", r.text
+        assert r.status_code == 202, r.text
+        plan = client.get(f"/v1/plans/{r.json()['id']}", params={"wait": 30}).json()
+    assert plan["status"] == "failed" and plan["error"]["code"] == "plan_timeout", plan
     assert Queue("nobody-listens", connection=stack.redis).count == 0  # the unanswered request is withdrawn
-    assert json.loads(r.text)["error"]["message"].startswith("no worker of queue 'nobody-listens'")
+    assert plan["error"]["message"].startswith("no worker of queue 'nobody-listens'")

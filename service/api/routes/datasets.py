@@ -10,12 +10,13 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.exc import SQLAlchemyError
 
 from peagle_core.errors import DataError
 from service.api import schemas
 from service.api.deps import DB, AppSettings, CurrentProject, Store
 from service.api.errors import ApiError, not_found
-from service.api.quotas import check_storage
+from service.api.quotas import reserve_upload, settle_upload
 from service.api.upload import SpooledFile, spool_multipart_file
 from service.artifacts import ArtifactStore
 from service.crud import datasets as crud
@@ -75,48 +76,86 @@ async def upload_dataset(
 ) -> schemas.Dataset:
     project_id = project.id
     declared = request.headers.get("content-length", "")
-    # The declared length includes the multipart framing (well under 64 KiB).
-    adding = max(0, int(declared) - (64 << 10)) if declared.isdigit() else 0
-    await run_in_threadpool(_refuse_early_if_over_cap, db, project_id, adding)
-    spool_dir = Path(settings.data_dir) / "tmp"
-    spool_dir.mkdir(parents=True, exist_ok=True)
-    spooled = await spool_multipart_file(
-        request, "file", spool_dir / f"upload-{uuid.uuid4().hex}", settings.max_upload_bytes
+    # Room is reserved (under the project lock) before a byte is spooled: concurrent uploads each hold
+    # their own share of the cap, and the upload may write no more than it reserved.
+    reservation, room = await run_in_threadpool(
+        reserve_upload,
+        db,
+        project_id,
+        int(declared) if declared.isdigit() else None,
+        settings.max_upload_bytes,
     )
     try:
-        row = await run_in_threadpool(
-            _store_and_record, store, db, project_id, spooled, format, settings.max_line_bytes
+        spool_dir = Path(settings.data_dir) / "tmp"
+        spool_dir.mkdir(parents=True, exist_ok=True)
+        spooled = await spool_multipart_file(
+            request,
+            "file",
+            spool_dir / f"upload-{uuid.uuid4().hex}",
+            min(room, settings.max_upload_bytes),
+            over_limit=None if room >= settings.max_upload_bytes else _over_reservation,
         )
-    finally:
-        with contextlib.suppress(OSError):
-            spooled.path.unlink()
+        try:
+            row = await run_in_threadpool(
+                _store_and_record,
+                store,
+                db,
+                project_id,
+                spooled,
+                format,
+                settings.max_line_bytes,
+                reservation,
+            )
+        finally:
+            with contextlib.suppress(OSError):
+                spooled.path.unlink()
+    except BaseException:
+        await run_in_threadpool(_release, db, reservation)
+        raise
     return schemas.Dataset.model_validate(row)
 
 
-def _refuse_early_if_over_cap(db: DB, project_id: str, adding: int) -> None:
-    try:
-        check_storage(db, project_id, adding)
-    finally:
-        db.rollback()  # no transaction stays open during the (long) upload
+def _over_reservation(limit: int) -> ApiError:
+    return ApiError(
+        403,
+        f"the upload passes the {limit} bytes left under this project's storage cap "
+        "(limit storage_cap_bytes); delete datasets or jobs to make room",
+        code="storage_quota_exceeded",
+        param="file",
+    )
+
+
+def _release(db: DB, reservation: int) -> None:
+    db.rollback()
+    with contextlib.suppress(SQLAlchemyError):  # an unsettled reservation expires on its own
+        settle_upload(db, reservation)
+        db.commit()
 
 
 def _store_and_record(
-    store: ArtifactStore, db: DB, project_id: str, spooled: SpooledFile, fmt: str, max_line_bytes: int
+    store: ArtifactStore,
+    db: DB,
+    project_id: str,
+    spooled: SpooledFile,
+    fmt: str,
+    max_line_bytes: int,
+    reservation: int,
 ) -> Dataset:
-    """Validate (line by line), copy to the store and insert the row; runs on a worker thread."""
+    """Validate (line by line), copy to the store, insert the row and settle the reservation (its ledger
+    row replaced by the dataset's); runs on a worker thread."""
     from peagle_core.data import validate_jsonl
 
     try:
         report = validate_jsonl(spooled.path, fmt=fmt, max_line_bytes=max_line_bytes)
     except DataError as exc:
         raise ApiError(422, exc.message, code=exc.code, param="file") from None
-    check_storage(db, project_id, spooled.size)
     dataset_id = new_id("ds")
     key = f"datasets/{dataset_id}/data.jsonl"
     sha, size = store.write_stream(key, _chunks(spooled.path))
     if sha != spooled.sha256 or size != spooled.size:
         store.delete(key)
         raise ApiError(500, "stored dataset failed its checksum", code="checksum_mismatch")
+    settle_upload(db, reservation)
     row = crud.add_dataset(
         db,
         dataset_id=dataset_id,

@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from service.api import schemas
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
 from service.api.errors import ApiError, not_found
-from service.api.quotas import StreamSlots, check_new_job
+from service.api.quotas import StreamSlots, check_new_job, check_queue
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
 from service.crud import events as events_crud
@@ -69,6 +69,7 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> schemas.Job:
     spec = check_spec_paths(body.spec, settings, project_id=project.id)
+    check_queue(settings, spec.resources.queue)
     if "mlflow" in spec.tracking.report_to and not settings.mlflow_tracking_uri:
         raise ApiError(
             422,

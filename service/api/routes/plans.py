@@ -1,47 +1,71 @@
-"""POST /v1/jobs/plan: what a job would cost, computed by a worker on its own device; nothing is queued."""
+"""Plans: `POST /v1/jobs/plan` queues what a job would cost for a worker and answers 202 at once;
+`GET /v1/plans/{id}` reads the answer (optionally long-polling without holding a thread).
+
+No request waits on a thread of the shared pool: the POST only checks, records and enqueues, and the
+long poll sleeps on the event loop between short status reads.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
+from datetime import timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+import anyio
+from fastapi import APIRouter, Query, Request, Response
 from redis.exceptions import RedisError
-from rq.job import JobStatus
+from sqlalchemy.orm import Session
 
 from peagle_core.spec import JobSpec
 from service.api import schemas
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn
-from service.api.errors import ApiError
+from service.api.errors import ApiError, envelope, not_found
+from service.api.quotas import check_new_plan, check_queue
 from service.crud import datasets as datasets_crud
+from service.crud import plans as plans_crud
+from service.db.models import Plan, utcnow
 from service.paths import check_spec_paths
-from service.queue import enqueue_plan, withdraw_plan
+from service.queue import enqueue_plan, plan_outcome, withdraw_plan
+from service.redact import redact_paths
 
 log = logging.getLogger("peagle.api")
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-_POLL_S = 0.2
+router = APIRouter(tags=["plans"])
+_POLL_S = 0.25
+# A plan RQ does not know yet may still be on its way there (the row is committed before the enqueue).
+_ENQUEUE_GRACE = timedelta(seconds=30)
 
 
 @router.post(
-    "/plan",
-    responses=schemas.error_responses(401, 422, 502, 503),
+    "/v1/jobs/plan",
+    status_code=202,
+    response_model=schemas.Plan,
+    responses={
+        202: schemas.id_links("plan_id", *schemas.PLAN_OPS),
+        **schemas.error_responses(401, 403, 422, 429, 503),
+    },
     summary="Plan a job without creating it",
-    description='Body: the same `{"spec": JobSpec}` as `POST /v1/jobs`; no job is created or queued. A worker '
-    "of the spec's queue prepares the data and returns counts after preparation, cache bytes per dtype "
-    "against `max_cache_bytes` and free space, optimizer steps and a wall-time estimate per stage, from a "
-    "short calibration on its device or from rates stored by an earlier one (`estimates_from`). Waits up "
-    "to the service's `plan_timeout_s`; 503 `plan_timeout` when no worker of that queue was free.",
+    description='Body: the same `{"spec": JobSpec}` as `POST /v1/jobs`; no job is created or queued. The '
+    "answer is 202 with a plan to poll (`Location: /v1/plans/{id}`, or `GET /v1/plans/{id}?wait=20`): a "
+    "worker of the spec's queue prepares the data and returns counts after preparation, cache bytes per "
+    "dtype against `max_cache_bytes` and free space, optimizer steps and a wall-time estimate per stage, "
+    "from a short calibration on its device or from rates stored by an earlier one (`estimates_from`). "
+    "The project's allowed queues apply, and plans in flight are capped per API key and per project "
+    "(429 `plans_limit`). A plan no worker answers within the service's `plan_timeout_s` fails with "
+    "`plan_timeout`.",
 )
 def plan_job(
     body: schemas.CreateJobRequest,
+    request: Request,
+    response: Response,
     db: DB,
     redis: RedisConn,
     settings: AppSettings,
     project: CurrentProject,
     recalibrate: Annotated[bool, Query(description="Calibrate again even if rates are stored.")] = False,
-) -> dict[str, Any]:
+) -> schemas.Plan:
     spec = check_spec_paths(body.spec, settings, project_id=project.id)
+    queue = spec.resources.queue
+    check_queue(settings, queue)
     if spec.dataset.id is not None:
         ds = datasets_crud.get_dataset(db, project.id, spec.dataset.id)
         if ds is None:
@@ -54,36 +78,122 @@ def plan_job(
         data = {"uri": ds.uri, "sha256": ds.sha256}
     else:
         data = {"path": spec.dataset.path}
-    queue = spec.resources.queue
-    timeout = settings.plan_timeout_s
+    key_hash: str = request.state.key_hash
+    # Answered plans nobody read yet must not count against the limits.
+    for old in plans_crud.in_flight(db, project.id):
+        _refresh(db, redis, old)
+    check_new_plan(db, project.id, key_hash, queue, settings)
+    plan = plans_crud.create_plan(db, project.id, key_hash, queue, settings.plan_timeout_s)
+    db.commit()
     try:
-        rq_job = enqueue_plan(
-            redis, queue, spec.model_dump(mode="json"), data, timeout, recalibrate=recalibrate
+        enqueue_plan(
+            redis,
+            queue,
+            plan.id,
+            spec.model_dump(mode="json"),
+            data,
+            settings.plan_timeout_s,
+            recalibrate=recalibrate,
         )
-        deadline = time.monotonic() + timeout
-        status = rq_job.get_status()
-        while status not in (JobStatus.FINISHED, JobStatus.FAILED) and time.monotonic() < deadline:
-            time.sleep(_POLL_S)  # a worker is computing: poll its status until it answers or time is up
-            status = rq_job.get_status()
     except RedisError as exc:
+        plans_crud.finish(plan, error=_error(503, "queue_unavailable", "the job queue is unavailable"))
+        db.commit()
         raise ApiError(
             503, f"the job queue is unavailable ({exc.__class__.__name__})", code="queue_unavailable"
         ) from None
-    if status == JobStatus.FAILED:
-        log.warning("plan %s failed on the worker", rq_job.id)
-        raise ApiError(502, "the worker failed while planning; see its log", code="plan_failed")
-    if status != JobStatus.FINISHED:
-        withdraw_plan(redis, queue, rq_job)
+    response.headers["Location"] = f"/v1/plans/{plan.id}"
+    return schemas.Plan.model_validate(plan)
+
+
+@router.get(
+    "/v1/plans/{plan_id}",
+    response_model=schemas.Plan,
+    responses=schemas.error_responses(401, 404, 503),
+    summary="A plan: its status, and its result or error once answered",
+    description="With `wait=N`, answers as soon as the plan is answered or after N seconds, whichever "
+    "comes first (a long poll; it holds no server thread while it waits).",
+)
+async def get_plan(
+    plan_id: str,
+    db: DB,
+    redis: RedisConn,
+    project: CurrentProject,
+    wait: Annotated[
+        float, Query(ge=0, le=60, description="Seconds to wait for the answer (long poll).")
+    ] = 0.0,
+) -> schemas.Plan:
+    project_id = project.id
+
+    def read() -> Plan | None:
+        plan = plans_crud.get_plan(db, project_id, plan_id)
+        if plan is not None:
+            plan = _refresh(db, redis, plan)
+        db.commit()  # end the read (objects stay loaded): a long poll holds no pooled connection
+        return plan
+
+    plan = await anyio.to_thread.run_sync(read)
+    if plan is None:
+        raise not_found("plan", plan_id)
+    with anyio.move_on_after(wait):
+        while plan.status in plans_crud.IN_FLIGHT:
+            await anyio.sleep(_POLL_S)
+            plan = await anyio.to_thread.run_sync(_refresh, db, redis, plan)
+    return schemas.Plan.model_validate(plan)
+
+
+def _refresh(db: Session, redis: RedisConn, plan: Plan) -> Plan:
+    """Bring an unanswered plan's row up to date with RQ (its answer, a worker taking it, or its deadline
+    passing: then it is withdrawn from the queue) and commit."""
+    if plan.status not in plans_crud.IN_FLIGHT:
+        return plan
+    try:
+        state, value = plan_outcome(redis, plan.id)
+        now = utcnow()
+        if state == "succeeded":
+            if isinstance(value, dict) and isinstance(value.get("error"), dict):
+                plans_crud.finish(plan, error=_worker_error(value["error"]))
+            else:
+                plans_crud.finish(plan, result=value if isinstance(value, dict) else {"value": value})
+        elif state == "failed":
+            log.warning("plan %s failed on the worker", plan.id)
+            plans_crud.finish(plan, error=_error(502, "plan_failed", "the worker failed while planning"))
+        elif now >= plan.deadline_at or (state == "missing" and now >= plan.created_at + _ENQUEUE_GRACE):
+            withdraw_plan(redis, plan.queue, plan.id)
+            timeout = (plan.deadline_at - plan.created_at).total_seconds()
+            plans_crud.finish(
+                plan,
+                error=_error(
+                    503,
+                    "plan_timeout",
+                    f"no worker of queue {plan.queue!r} finished the plan within {timeout:.0f} s "
+                    "(all busy or none running)",
+                ),
+            )
+        elif state == "running":
+            plans_crud.set_running(plan)
+        else:
+            return plan
+    except RedisError as exc:
+        db.rollback()
         raise ApiError(
-            503,
-            f"no worker of queue {queue!r} finished the plan within {timeout:.0f} s (all busy or none running)",
-            code="plan_timeout",
-        )
-    result = rq_job.return_value()
-    if isinstance(result, dict) and "error" in result:
-        err = result["error"]
-        param = err.get("param")
-        if param and param.split(".")[0] in JobSpec.model_fields:
-            param = f"spec.{param}"  # a spec field; other params name a data line or file
-        raise ApiError(422, err["message"], code=err.get("code"), param=param)
-    return result
+            503, f"the job queue is unavailable ({exc.__class__.__name__})", code="queue_unavailable"
+        ) from None
+    db.commit()
+    return plan
+
+
+def _error(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    return envelope(status, message, code=code, param=param)["error"]
+
+
+def _worker_error(err: dict[str, Any]) -> dict[str, Any]:
+    """The worker's `{code, message, param}` for a spec or data the plan refused, as the API names it."""
+    param = err.get("param")
+    if isinstance(param, str) and param.split(".")[0] in JobSpec.model_fields:
+        param = f"spec.{param}"  # a spec field; other params name a data line or file
+    return _error(
+        422,
+        str(err.get("code") or "invalid_request"),
+        redact_paths(str(err.get("message") or "")),
+        redact_paths(param) if isinstance(param, str) else None,
+    )

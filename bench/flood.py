@@ -1,0 +1,270 @@
+"""One project's flood must not slow another's reads: `GET /v1/jobs` p50/p99 of project A, idle and while
+project B floods the API with plans (on a queue no worker serves: each waits for its deadline), editor
+Validate requests (a 36 KiB spec with 6000 errors) and dataset uploads.
+
+Serves the API with uvicorn in a subprocess on loopback (a scratch Postgres database, or `--sqlite`), drives
+A at a fixed open-loop rate from one process and B's flood from another, every loop bounded by the
+duration. Prints one JSON object per phase on stdout.
+
+    python bench/flood.py --rate 50 --duration 20 [--sqlite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+from api_load import _drive, _drop_db, _free_port
+
+CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
+
+
+def _setup(args: argparse.Namespace, tmp: Path, queue: str) -> tuple[str, str | None, str, str]:
+    """The database URL (and the scratch Postgres database's name), and keys of projects A and B; A gets
+    a page of jobs to list."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from service.crud.jobs import create_job
+    from service.crud.projects import create_key
+    from service.db.migrate import upgrade
+    from service.db.session import session_scope
+
+    name = None
+    if args.sqlite:
+        url = f"sqlite:///{tmp / 'peagle.db'}"
+    else:
+        name = f"peagle_bench_{uuid.uuid4().hex[:10]}"
+        admin = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        admin.dispose()
+        url = make_url(args.postgres_url).set(database=name).render_as_string(hide_password=False)
+    upgrade(url)
+    with session_scope(url) as s:
+        key_a, row = create_key(s, "victim")
+        key_b, _ = create_key(s, "flooder")
+        for _ in range(50):
+            create_job(s, row.project_id, {"resources": {"queue": queue}}, max_attempts=3)
+    return url, name, key_a, key_b
+
+
+def _spec(tmp: Path, queue: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "verifier": {"name_or_path": str(tmp / "models" / "verifier")},
+        "dataset": {"path": str(tmp / "d.jsonl"), "seq_len": 64},
+        "training": {"total_seq_len": 128},
+        "resources": {"queue": queue},
+        **extra,
+    }
+
+
+async def _flood(
+    base: str, key: str, tmp: str, queue: str, duration: float, plan_workers: int, kinds: list[str]
+) -> dict[str, Any]:
+    """Project B: plan submitters (long-polling what they got), editor Validates and uploads, for `duration`."""
+    import yaml
+
+    spec = _spec(Path(tmp), queue)
+    bad = _spec(
+        Path(tmp),
+        queue,
+        verifier={"name_or_path": spec["verifier"]["name_or_path"], "layer_ids": ["x"] * 6000},
+    )
+    bad_yaml = yaml.safe_dump(bad, sort_keys=False)
+    row = json.dumps(
+        {"messages": [{"role": "user", "content": "q" * 400}, {"role": "assistant", "content": "a"}]}
+    )
+    upload = ((row + "\n") * 10_000).encode()  # ~4 MiB
+    counts: Counter[str] = Counter()
+    end = time.monotonic() + duration
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=plan_workers + 20)
+    async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=60) as client:
+
+        async def send(what: str, http: httpx.AsyncClient, method: str, path: str, **kw: Any) -> Any:
+            try:
+                r = await http.request(method, path, **kw)
+            except httpx.HTTPError as exc:  # a reset keep-alive connection: counted, the flood goes on
+                counts[f"{what}_{type(exc).__name__}"] += 1
+                return None
+            counts[f"{what}_{r.status_code}"] += 1
+            return r
+
+        async def plans() -> None:
+            while time.monotonic() < end:
+                r = await send("plan", client, "POST", "/v1/jobs/plan", json={"spec": spec})
+                if r is not None and r.status_code == 202:
+                    wait = max(0.0, min(20.0, end - time.monotonic()))
+                    await send(
+                        "plan_poll", client, "GET", f"/v1/plans/{r.json()['id']}", params={"wait": wait}
+                    )
+                else:
+                    await asyncio.sleep(0.05)
+
+        async def edits() -> None:
+            async with httpx.AsyncClient(base_url=base, timeout=120) as ui:
+                token = CSRF.search((await ui.get("/ui/login")).text).group(1)
+                await ui.post("/ui/login", data={"api_key": key, "csrf_token": token})
+                token = CSRF.search((await ui.get("/ui/jobs/new")).text).group(1)
+                while time.monotonic() < end:
+                    form = {"spec_yaml": bad_yaml, "csrf_token": token, "action": "validate"}
+                    await send("validate", ui, "POST", "/ui/jobs/new", data=form)
+
+        async def uploads() -> None:
+            while time.monotonic() < end:
+                r = await send("upload", client, "POST", "/v1/datasets", files={"file": ("d.jsonl", upload)})
+                if r is not None and r.status_code == 201:
+                    await send("delete", client, "DELETE", f"/v1/datasets/{r.json()['id']}")
+
+        await asyncio.gather(
+            *(plans() for _ in range(plan_workers if "plans" in kinds else 0)),
+            *(edits() for _ in range(4 if "edits" in kinds else 0)),
+            *(uploads() for _ in range(4 if "uploads" in kinds else 0)),
+        )
+    return dict(sorted(counts.items()))
+
+
+def _flood_process(args: tuple, out: Any) -> None:
+    out.put(asyncio.run(_flood(*args)))
+
+
+def _victim_process(args: tuple, out: Any) -> None:
+    out.put(asyncio.run(_drive(*args)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--postgres-url",
+        default=os.environ.get(
+            "PEAGLE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    ap.add_argument(
+        "--sqlite", action="store_true", help="a SQLite file instead of a scratch Postgres database"
+    )
+    ap.add_argument(
+        "--redis-url", default=os.environ.get("PEAGLE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    ap.add_argument("--rate", type=float, default=50.0, help="project A's GET /v1/jobs per second")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
+    ap.add_argument("--plan-workers", type=int, default=60, help="project B's concurrent plan submitters")
+    ap.add_argument(
+        "--flood", default="plans,edits,uploads", help="what project B floods with (comma-separated)"
+    )
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="peagle-flood-"))
+    queue = f"flood-{uuid.uuid4().hex[:8]}"  # configured on the API, but no worker serves it
+    (tmp / "models" / "verifier").mkdir(parents=True)
+    (tmp / "models" / "verifier" / "config.json").write_text("{}")
+    (tmp / "d.jsonl").write_text('{"messages": []}\n')
+    url, db_name, key_a, key_b = _setup(args, tmp, queue)
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PEAGLE_DATA_DIR": str(tmp / "data"),
+        "PEAGLE_DATABASE_URL": url,
+        "PEAGLE_REDIS_URL": args.redis_url,
+        "PEAGLE_ALLOWED_MODEL_ROOTS": str(tmp / "models"),
+        "PEAGLE_ALLOWED_DATA_ROOTS": str(tmp),
+        "PEAGLE_QUEUES": f"default,{queue}",
+        "PEAGLE_PLAN_TIMEOUT_S": str(max(5, int(args.duration))),
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning", "--no-access-log"],
+        env=env,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    ctx = mp.get_context("spawn")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("the API did not become ready")
+            time.sleep(0.2)
+        victim = (base, key_a, "GET", ["/v1/jobs"], None, args.rate)
+        backend = "sqlite" if args.sqlite else "postgres"
+        out = ctx.Queue()
+        _victim_process((*victim, 3.0), out)  # warm-up, unrecorded
+        out.get()
+        for phase in ("idle", "flood"):
+            flood_out = ctx.Queue()
+            flooder = None
+            if phase == "flood":
+                flood_args = (
+                    base,
+                    key_b,
+                    str(tmp),
+                    queue,
+                    args.duration + 2,
+                    args.plan_workers,
+                    args.flood.split(","),
+                )
+                flooder = ctx.Process(target=_flood_process, args=(flood_args, flood_out))
+                flooder.start()
+                time.sleep(2)  # let the flood build up before measuring
+            proc = ctx.Process(target=_victim_process, args=((*victim, args.duration), out))
+            proc.start()
+            result = out.get()
+            proc.join()
+            flood = None
+            if flooder is not None:
+                flood = flood_out.get(timeout=args.duration + 120)  # bounded: a dead flooder fails the run
+                flooder.join()
+            print(
+                json.dumps(
+                    {
+                        "bench": "flood",
+                        "endpoint": "GET /v1/jobs",
+                        "phase": phase,
+                        **({"flood": args.flood} if phase == "flood" else {}),
+                        "backend": backend,
+                        "target_rps": args.rate,
+                        "duration_s": args.duration,
+                        **result,
+                        **({"flood_requests": flood} if flood is not None else {}),
+                    }
+                ),
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        if db_name is not None:
+            _drop_db(args.postgres_url, db_name)
+        from rq import Queue
+
+        from service.queue import redis_from_url
+
+        redis = redis_from_url(args.redis_url)
+        Queue(queue, connection=redis).empty()
+        Queue(queue, connection=redis).delete()
+
+
+if __name__ == "__main__":
+    main()
