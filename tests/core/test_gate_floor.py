@@ -9,7 +9,7 @@ import pytest
 
 from peagle_core.eval_categories import category_groups, pool_eval
 from peagle_core.evaluate import EvalResult
-from peagle_core.serving_check import Acceptance, acceptance_floor
+from peagle_core.serving_check import SERVING_FILE, Acceptance, ServingCheck, acceptance_floor
 
 
 def acceptance_of(counts: list[int], k: int) -> Acceptance:
@@ -69,3 +69,24 @@ def test_categories_pool_back_into_the_ungrouped_figures() -> None:
     assert pooled.acceptance_rate_per_position == pytest.approx(whole.rate_per_position)
     assert pooled.verifier_passes == 8 and pooled.num_prompts == 4
     assert pooled.tokens == [[0], [1], [2], [3]]  # back in prompt order
+
+
+def test_the_check_records_both_figures_and_the_speedup_and_reads_back(tmp_path) -> None:
+    import json
+
+    from peagle_core.export import _serving_section
+
+    check = ServingCheck(
+        status="verified", engine="vllm 0.32.0", k=4, prompts=80, acceptance_length=2.05,
+        acceptance_rate_per_position=[0.6, 0.3, 0.1, 0.05], drafts=2500, ours_acceptance_length=2.1,
+        acceptance_floor=1.83, categories={"writing": {"acceptance_length": 2.4}},
+        speedup={"output_tokens_per_s": 30.0, "baseline_output_tokens_per_s": 16.0, "speedup": 1.875},
+    )  # fmt: skip
+    check.save(tmp_path)
+    assert ServingCheck.load(tmp_path) == check
+    card = "\n".join(_serving_section(check))
+    assert "our evaluation on the same prompts: 2.100 (vLLM's floor: 1.830)" in card
+    assert "30.0 tokens/s with the drafter, 16.0 without (1.88x)" in card
+    # A serving.json written by a newer version (a field this one does not know) still reads.
+    (tmp_path / SERVING_FILE).write_text(json.dumps({**check.to_dict(), "later_field": 1}))
+    assert ServingCheck.load(tmp_path) == check

@@ -4,7 +4,6 @@ loads but drafts badly with (acceptance below the floor ours sets)."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -121,29 +120,23 @@ def test_the_gate_refuses_a_checkpoint_vllm_refuses_and_publishes_nothing(
     assert not out.exists()
 
 
-def _corrupted(src: Path, dst: Path, how: str) -> Path:
+def _with_shifted_d2t(src: Path, dst: Path) -> Path:
     """A copy of an export that loads in vLLM and stays lossless but drafts the wrong tokens: its draft
-    vocabulary map shifted by one id (each draft id maps where its neighbour should), or its aux layers
-    swapped for others the verifier has."""
+    vocabulary map shifted by one id, so each draft id maps to the token its neighbour stands for."""
     shutil.copytree(src, dst)
-    if how == "d2t":
-        tensors = load_file(str(dst / "model.safetensors"))
-        ids = torch.arange(len(tensors["d2t"]))
-        tensors["d2t"] = torch.roll(tensors["d2t"] + ids, 1) - ids
-        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        cfg = json.loads((dst / "config.json").read_text())
-        assert cfg["eagle_aux_hidden_state_layer_ids"] != [1, 2, 3]
-        cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
-        (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(dst / "model.safetensors"))
+    ids = torch.arange(len(tensors["d2t"]))
+    tensors["d2t"] = torch.roll(tensors["d2t"] + ids, 1) - ids
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
 
-@pytest.mark.parametrize("how", ["d2t", "aux_layers"])
 def test_the_gate_fails_a_drafter_whose_acceptance_collapses_in_vllm(
-    vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, ours_at_3, tmp_path, how
+    vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, ours_at_3, tmp_path
 ) -> None:
-    bad = _corrupted(exported_drafters["draft-vocab-1-layer"], tmp_path / "bad", how)
+    # (Wrong aux layer ids are no collapse on the toy: its layers are alike, and bench/gate_noise.py
+    # measured vLLM's acceptance length 5% lower with them; only the d2t case is a test.)
+    bad = _with_shifted_d2t(exported_drafters["draft-vocab-1-layer"], tmp_path / "bad")
     ours = Acceptance.of(ours_at_3.to_dict())
     run = vllm_engine.generate(
         str(toy_verifier_dir), serving_prompts, SERVING_NEW_TOKENS, drafter=str(bad), k=3
@@ -181,6 +174,7 @@ def test_a_verified_export_records_the_check_beside_the_weights(
     card = (out / "README.md").read_text()
     assert "servable: **verified** by vllm 0.32.0" in card
     assert f"acceptance length at K=3: {check.acceptance_length:.3f}" in card
+    assert f"our evaluation on the same prompts: {ours.acceptance_length:.3f}" in card
 
 
 def test_peagle_eval_reports_both_engines_on_the_same_prompts(
