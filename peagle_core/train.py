@@ -46,7 +46,7 @@ from peagle_core.checkpoint import (
 from peagle_core.data import PreparedDataset
 from peagle_core.errors import DataError, TrainingDiverged
 from peagle_core.eval_categories import category_groups, eval_categories_figures, pool_eval
-from peagle_core.evaluate import evaluate
+from peagle_core.evaluate import EvalResult, evaluate
 from peagle_core.export import export_checkpoint
 from peagle_core.hidden_states import BatchLoader, HiddenStateSource
 from peagle_core.io import atomic_write_json
@@ -438,7 +438,7 @@ def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str
     return {"step": step, "results": results}
 
 
-def evaluate_ours(run: Trainer, k: int) -> tuple[Any, dict[str, dict[str, Any]]]:
+def evaluate_ours(run: Trainer, k: int) -> tuple[EvalResult, dict[str, dict[str, Any]]]:
     """Our evaluator at K on the evaluation prompts, and its figures per category where prompts have one
     (each category decoded apart, then pooled: the pooled figures are the ungrouped ones)."""
     eos = run.verifier.tokenizer.eos_token_id
