@@ -20,7 +20,7 @@ from peagle_core.data import PreparedDataset
 from peagle_core.data.packing import pack_bins
 from peagle_core.data.prepare import prepare_for_spec
 from peagle_core.errors import DataError
-from peagle_core.evaluate import held_out_prompts
+from peagle_core.evaluate import held_out_prompts, prompt_of
 from peagle_core.hidden_states import HiddenStateSource
 from peagle_core.hidden_states_engine import (
     build_hidden_state_cache,
@@ -187,7 +187,8 @@ def eval_prompts(
         return held_out_prompts(dataset, val_idx, limit=prompts)
     tok = verifier.tokenizer
     out = []
-    for text in prompts:
+    for item in prompts:
+        text = item if isinstance(item, str) else item.prompt
         ids = tok.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
         )
@@ -196,8 +197,29 @@ def eval_prompts(
     return out
 
 
+def eval_categories(spec: JobSpec, dataset: PreparedDataset, val_idx: list[int]) -> list[str | None]:
+    """The category of each of `eval_prompts`' prompts (None where it has none): the spec's own, or the
+    dataset rows' where the prepared dataset keeps them (an optional `categories` list per sample)."""
+    prompts = spec.evaluation.prompts
+    if not isinstance(prompts, int):
+        return [None if isinstance(p, str) else p.category for p in prompts]
+    per_sample = getattr(dataset, "categories", None)
+    out: list[str | None] = []
+    for i in val_idx:  # the samples held_out_prompts keeps, in its order
+        if len(out) >= prompts:
+            break
+        if prompt_of(*dataset[i]) is not None:
+            out.append(per_sample[i] if per_sample is not None else None)
+    return out
+
+
 def build_judge(
-    spec: JobSpec, prompts: list[torch.Tensor], device: torch.device, *, is_main: bool
+    spec: JobSpec,
+    prompts: list[torch.Tensor],
+    device: torch.device,
+    *,
+    is_main: bool,
+    categories: list[str | None] | None = None,
 ) -> tuple[Engines, VllmJudge | None]:
     """Which engines evaluate and gate this run, and the vLLM judge when one is needed (main rank only; it
     starts its engine on first use). Without evaluation prompts there is nothing for vLLM to check with."""
@@ -215,5 +237,6 @@ def build_judge(
         revision=spec.verifier.revision,
         trust_remote_code=spec.verifier.trust_remote_code,
         options=engine_options(device),
+        categories=categories,
     )
     return engines, judge

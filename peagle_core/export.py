@@ -83,6 +83,22 @@ def _serving_section(check: ServingCheck | None) -> list[str]:
         f"- servable: **verified** by {check.engine}: it loaded this checkpoint and its greedy output with "
         f"the drafter (K={check.k}) equalled its output without it on {check.prompts} prompts",
         f"- vLLM acceptance length at K={check.k}: {check.acceptance_length:.3f} (per position: {rates})",
+        *(
+            [
+                f"- our evaluation on the same prompts: {check.ours_acceptance_length:.3f} (vLLM's floor: "
+                f"{check.acceptance_floor:.3f})"
+            ]
+            if check.ours_acceptance_length is not None and check.acceptance_floor is not None
+            else []
+        ),
+        *(
+            [
+                f"- vLLM at batch 1: {s['output_tokens_per_s']:.1f} tokens/s with the drafter, "
+                f"{s['baseline_output_tokens_per_s']:.1f} without ({s['speedup']:.2f}x)"
+            ]
+            if (s := check.speedup) and s.get("speedup") is not None
+            else []
+        ),
     ]
 
 

@@ -32,6 +32,7 @@ MAX_SAMPLES = 1_000_000_000
 MAX_CACHE_BYTES = 1 << 50  # 1 PiB
 MAX_PROMPTS = 1000
 MAX_PROMPT_CHARS = 32768
+MAX_CATEGORY_CHARS = 64
 MAX_SEED = (1 << 63) - 1  # seeds travel as signed 64-bit integers (torch, numpy, Postgres BIGINT)
 
 
@@ -176,13 +177,21 @@ class TrainingSpec(_Strict):
     )
 
 
+class EvalPrompt(_Strict):
+    """An evaluation prompt with the category its figures are grouped under (e.g. MT-Bench's)."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    category: str | None = Field(default=None, min_length=1, max_length=MAX_CATEGORY_CHARS)
+
+
 class EvaluationSpec(_Strict):
     """Acceptance-length evaluation against the verifier on held-out prompts."""
 
-    prompts: int | list[Annotated[str, Field(min_length=1)]] = Field(
+    prompts: int | list[Annotated[str, Field(min_length=1)] | EvalPrompt] = Field(
         default=16,
         description=f"How many held-out prompts (at most 10000), or the prompts themselves (at most "
-        f"{MAX_PROMPTS}, each up to {MAX_PROMPT_CHARS} characters).",
+        f"{MAX_PROMPTS}, each up to {MAX_PROMPT_CHARS} characters): a string, or "
+        '{"prompt": ..., "category": ...} to see acceptance per category.',
     )
     max_new_tokens: int = Field(default=64, ge=1, le=4096)
     speculative_tokens: list[Annotated[int, Field(ge=1, le=32)]] | None = Field(
@@ -196,17 +205,23 @@ class EvaluationSpec(_Strict):
         description="Who measures acceptance length: our decoder (`peagle`), vLLM's spec-decode counters "
         "(`vllm`) or `both`; `auto` is `both` where vLLM is installed, else `peagle`.",
     )
+    measure_speedup: bool = Field(
+        default=False,
+        description="After the publish gate, time vLLM at batch 1 on the evaluation prompts with and without "
+        "the drafter (at the largest K) and record the speed-up; needs vLLM and export.vllm_check.",
+    )
 
     @field_validator("prompts")
     @classmethod
-    def _some_prompts(cls, v: int | list[str]) -> int | list[str]:
+    def _some_prompts(cls, v: int | list[str | EvalPrompt]) -> int | list[str | EvalPrompt]:
         if isinstance(v, int) and not 0 <= v <= 10000:
             raise ValueError("must be between 0 and 10000")
         if isinstance(v, list) and len(v) == 0:
             raise ValueError("give at least one prompt, or a count")
         if isinstance(v, list) and len(v) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts, got {len(v)}")
-        if isinstance(v, list) and (long := [i for i, p in enumerate(v) if len(p) > MAX_PROMPT_CHARS]):
+        texts = [p if isinstance(p, str) else p.prompt for p in v] if isinstance(v, list) else []
+        if long := [i for i, p in enumerate(texts) if len(p) > MAX_PROMPT_CHARS]:
             raise ValueError(f"prompt {long[0]} is longer than {MAX_PROMPT_CHARS} characters")
         return v
 
@@ -299,6 +314,11 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"training.total_seq_len ({self.training.total_seq_len}) must be >= dataset.seq_len "
                 f"({self.dataset.seq_len}) so that every sample fits a packed row"
+            )
+        if self.evaluation.measure_speedup and not self.export.vllm_check:
+            raise ValueError(
+                "evaluation.measure_speedup: the speed-up is measured by the publish gate, which "
+                "export.vllm_check: false switches off"
             )
         return self
 

@@ -30,6 +30,7 @@ from peagle_core.builders import (
     build_teacher,
     count_steps,
     epoch_bins,
+    eval_categories,
     eval_prompts,
     load_verifier,
     prepare_data,
@@ -44,7 +45,8 @@ from peagle_core.checkpoint import (
 )
 from peagle_core.data import PreparedDataset
 from peagle_core.errors import DataError, TrainingDiverged
-from peagle_core.evaluate import evaluate
+from peagle_core.eval_categories import category_groups, eval_categories_figures, pool_eval
+from peagle_core.evaluate import EvalResult, evaluate
 from peagle_core.export import export_checkpoint
 from peagle_core.hidden_states import BatchLoader, HiddenStateSource
 from peagle_core.io import atomic_write_json
@@ -52,7 +54,7 @@ from peagle_core.model import PEagleDraftModel
 from peagle_core.objective import Teacher
 from peagle_core.partition import partitioned_backward
 from peagle_core.schedule import build_scheduler
-from peagle_core.serving_check import ServingCheck
+from peagle_core.serving_check import Acceptance, ServingCheck
 from peagle_core.spec import JobSpec
 from peagle_core.verifier import Verifier
 from peagle_core.vllm_judge import (
@@ -126,6 +128,7 @@ class Trainer:
         default_factory=lambda: Engines(ours=True, vllm=False, gate_off_reason="no serving check configured")
     )
     judge: VllmJudge | None = None  # vLLM on the evaluation prompts (rank 0, when `engines` needs it)
+    prompt_categories: list[str | None] = field(default_factory=list)  # per prompt, where they have one
 
 
 @dataclass
@@ -289,7 +292,8 @@ def setup(
             hooks.event("resume", f"resumed from {restored.path.name}", step=restored.position.step)
 
     prompts = eval_prompts(spec, dataset, val_idx, verifier)
-    engines, judge = build_judge(spec, prompts, device, is_main=info.is_main)
+    categories = eval_categories(spec, dataset, val_idx)
+    engines, judge = build_judge(spec, prompts, device, is_main=info.is_main, categories=categories)
     run = Trainer(
         spec=spec,
         out_dir=out_dir,
@@ -312,6 +316,7 @@ def setup(
         ckpt_root=ckpt_root,
         engines=engines,
         judge=judge,
+        prompt_categories=categories,
     )
     return run, Progress.resumed(restored)
 
@@ -416,17 +421,41 @@ def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str
     )
     results: dict[str, dict[str, Any]] = {f"k={k}": {"k": k} for k in ks}
     if run.engines.ours:
-        eos = run.verifier.tokenizer.eos_token_id
         for k in ks:
-            r = evaluate(run.model, run.verifier, run.prompts, k, run.spec.evaluation.max_new_tokens, eos)
+            r, categories = evaluate_ours(run, k)
             results[f"k={k}"].update(r.to_dict())
-            run.hooks.report({"step": step, f"eval/acceptance_length@{k}": r.acceptance_length})
+            if categories:
+                results[f"k={k}"]["categories"] = categories
+            run.hooks.report(
+                {"step": step, f"eval/acceptance_length@{k}": r.acceptance_length}
+                | per_position_metrics("eval/acceptance_rate", k, r.acceptance_rate_per_position)
+            )
     if run.engines.vllm and run.judge is not None:
         figures = run.judge.evaluate_model(run.model, ks, verifier_config=run.verifier.config)
         for k, fig in figures.items():
             results[f"k={k}"]["vllm"] = fig
         report_vllm_figures(run, step, results)
     return {"step": step, "results": results}
+
+
+def evaluate_ours(run: Trainer, k: int) -> tuple[EvalResult, dict[str, dict[str, Any]]]:
+    """Our evaluator at K on the evaluation prompts, and its figures per category where prompts have one
+    (each category decoded apart, then pooled: the pooled figures are the ungrouped ones)."""
+    eos = run.verifier.tokenizer.eos_token_id
+    n = run.spec.evaluation.max_new_tokens
+    groups = category_groups(run.prompt_categories)
+    if not groups:
+        return evaluate(run.model, run.verifier, run.prompts, k, n, eos), {}
+    parts = {
+        name: evaluate(run.model, run.verifier, [run.prompts[i] for i in ix], k, n, eos)
+        for name, ix in groups.items()
+    }
+    return pool_eval(parts, groups), eval_categories_figures(parts)
+
+
+def per_position_metrics(prefix: str, k: int, rates: list[float]) -> dict[str, float]:
+    """`{prefix}@K_pos1`, ...: the share of drafts accepted up to each position, as metric-row scalars."""
+    return {f"{prefix}@{k}_pos{j + 1}": rate for j, rate in enumerate(rates)}
 
 
 def report_vllm_figures(run: Trainer, step: int, results: dict[str, dict[str, Any]]) -> None:
@@ -436,7 +465,11 @@ def report_vllm_figures(run: Trainer, step: int, results: dict[str, dict[str, An
         if theirs is None:
             continue
         k = r["k"]
-        run.hooks.report({"step": step, f"eval/vllm_acceptance_length@{k}": theirs})
+        rates = r["vllm"].get("acceptance_rate_per_position") or []
+        run.hooks.report(
+            {"step": step, f"eval/vllm_acceptance_length@{k}": theirs}
+            | per_position_metrics("eval/vllm_acceptance_rate", k, rates)
+        )
         ours = r.get("acceptance_length")
         if ours is not None and agreement_gap(ours, theirs) > GAP_TOLERANCE:
             run.hooks.event(
@@ -546,7 +579,14 @@ def export(run: Trainer, progress: Progress) -> Path | None:
         k = max(run.spec.speculative_tokens)
         if run.engines.gate and run.judge is not None:
             run.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=progress.step)
-            serving: Callable[[Path], ServingCheck] = partial(run.judge.gate, k=k)
+            ours = ((progress.evaluation or {}).get("results") or {}).get(f"k={k}") or {}
+            serving: Callable[[Path], ServingCheck] = partial(
+                run.judge.gate,
+                k=k,
+                # The collapse check: vLLM's acceptance against ours at K on the same prompts.
+                ours=Acceptance.of(ours) if "acceptance_length" in ours else None,
+                measure_speedup=run.spec.evaluation.measure_speedup,
+            )
         else:
             reason = run.engines.gate_off_reason or "no serving check was run"
             serving = partial(_unverified, reason=reason)
@@ -569,9 +609,12 @@ def export(run: Trainer, progress: Progress) -> Path | None:
                 f"vLLM served the checkpoint: acceptance length {check.acceptance_length:.3f} at K={k}",
                 serving=check.to_dict(),
             )
+            if check.speedup and check.speedup.get("speedup") is not None:
+                run.hooks.report({"step": progress.step, f"eval/vllm_speedup@{k}": check.speedup["speedup"]})
         evaluation = dict(progress.evaluation or {})
         if check is not None:
             evaluation["serving"] = check.to_dict()
+        progress.evaluation = evaluation  # the final metrics read the speed-up from it
         atomic_write_json(export_dir / "eval.json", evaluation)
     dist_utils.barrier(run.info)
     return export_dir
@@ -597,6 +640,9 @@ def _eval_summary(eval_result: dict[str, Any] | None) -> dict[str, float]:
             out[f"eval/acceptance_length@{r['k']}"] = r["acceptance_length"]
         if "vllm" in r:
             out[f"eval/vllm_acceptance_length@{r['k']}"] = r["vllm"]["acceptance_length"]
+    speedup = ((eval_result.get("serving") or {}).get("speedup") or {}).get("speedup")
+    if speedup is not None:
+        out[f"eval/vllm_speedup@{eval_result['serving']['k']}"] = speedup
     return out
 
 

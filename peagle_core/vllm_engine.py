@@ -37,6 +37,13 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def model_len_for(prompts: list[list[int]], max_new_tokens: int, k: int | None = None) -> int:
+    """The engine's max_model_len for `prompts`, rounded up to a power of two so that nearby prompt lengths
+    (and batches cut from one prompt set) reuse one engine instead of building another."""
+    longest = max((len(p) for p in prompts), default=1)
+    return max(256, 2 ** math.ceil(math.log2(longest + max_new_tokens + (k or 0) + 1)))
+
+
 class VllmError(PeagleError):
     """vLLM refused a model or failed while decoding; `phase` is "load" or "generate"."""
 
@@ -165,11 +172,8 @@ class VllmEngine:
         fields (`sample` uses it; None is greedy). Raises VllmError with vLLM's message."""
         if drafter is not None and not k:
             raise ValueError("a drafter needs k (speculative tokens per step)")
-        longest = max((len(p) for p in prompts), default=1)
         if max_model_len is None:
-            # Round up so that nearby prompt lengths reuse one engine instead of building another.
-            need = longest + max_new_tokens + (k or 0) + 1
-            max_model_len = max(256, 2 ** math.ceil(math.log2(need)))
+            max_model_len = model_len_for(prompts, max_new_tokens, k)
         config = EngineConfig(
             verifier=str(verifier),
             revision=revision,

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from peagle_core.errors import PeagleError
-from peagle_core.serving_check import ServingCheck, check_in_vllm, vllm_version
-from peagle_core.vllm_engine import VllmEngine, vllm_available
+from peagle_core.eval_categories import category_groups
+from peagle_core.serving_check import Acceptance, ServingCheck, check_in_vllm, vllm_version
+from peagle_core.vllm_engine import VllmEngine, model_len_for, vllm_available
 
 if TYPE_CHECKING:
     import torch
@@ -92,14 +93,18 @@ class VllmJudge:
         revision: str | None = None,
         trust_remote_code: bool = False,
         options: dict[str, Any] | None = None,
+        categories: list[str | None] | None = None,
+        engine: VllmEngine | None = None,
     ):
         if not prompts:
             raise ValueError("vLLM evaluation needs at least one prompt")
         self.verifier = verifier
         self.prompts = prompts
+        self.groups = category_groups(categories)  # {} when no prompt has a category
         self.max_new_tokens = max_new_tokens
         self.options = {"revision": revision, "trust_remote_code": trust_remote_code, **(options or {})}
-        self._engine: VllmEngine | None = None
+        self._engine: VllmEngine | None = engine
+        self._owns_engine = engine is None  # a caller's engine outlives the judge
         self._reference: list[list[int]] | None = None
 
     def __enter__(self) -> VllmJudge:
@@ -109,14 +114,14 @@ class VllmJudge:
         self.close()
 
     def close(self) -> None:
-        if self._engine is not None:
+        if self._engine is not None and self._owns_engine:
             self._engine.close()
-            self._engine = None
+        self._engine = None
 
     @property
     def engine(self) -> VllmEngine:
         if self._engine is None:
-            self._engine = VllmEngine().start()
+            self._engine, self._owns_engine = VllmEngine().start(), True
         return self._engine
 
     def reference(self) -> list[list[int]]:
@@ -126,9 +131,18 @@ class VllmJudge:
             self._reference = run.tokens
         return self._reference
 
-    def gate(self, checkpoint_dir: str | Path, k: int) -> ServingCheck:
-        """The publish gate on a finished checkpoint directory (raises NotServableError)."""
-        return check_in_vllm(
+    def gate(
+        self,
+        checkpoint_dir: str | Path,
+        k: int,
+        *,
+        ours: Acceptance | None = None,
+        measure_speedup: bool = False,
+    ) -> ServingCheck:
+        """The publish gate on a finished checkpoint directory (raises NotServableError): lossless, and
+        vLLM's acceptance length not clearly below `ours` (our evaluator's at K on these prompts). With
+        `measure_speedup`, the check also records vLLM's batch-1 speed with and without the drafter."""
+        check = check_in_vllm(
             self.engine,
             verifier=self.verifier,
             checkpoint_dir=checkpoint_dir,
@@ -136,8 +150,39 @@ class VllmJudge:
             k=k,
             max_new_tokens=self.max_new_tokens,
             reference=self.reference(),
+            ours=ours,
+            groups=self.groups,
             **self.options,
         )
+        if measure_speedup:
+            check.speedup = self.measure_speedup(checkpoint_dir, k)
+        return check
+
+    def measure_speedup(self, checkpoint_dir: str | Path, k: int) -> dict[str, Any]:
+        """vLLM's output tokens/s at batch 1 over the evaluation prompts (one request at a time, after
+        one untimed warm-up request), with the drafter at K and without it; `speedup` is their ratio."""
+        n = self.max_new_tokens
+        # One model length for both engines, so that the two differ by the drafter alone.
+        options = {"max_model_len": model_len_for(self.prompts, n, k), **self.options}
+
+        def timed(**drafter: Any) -> tuple[float, list[list[int]]]:
+            self.engine.generate(self.verifier, self.prompts[:1], n, **drafter, **options)  # warm-up
+            runs = [self.engine.generate(self.verifier, [p], n, **drafter, **options) for p in self.prompts]
+            seconds = sum(r.seconds for r in runs)
+            tokens = sum(r.num_output_tokens for r in runs)
+            return (tokens / seconds if seconds > 0 else 0.0), [r.tokens[0] for r in runs]
+
+        with_drafter, spec_tokens = timed(drafter=str(checkpoint_dir), k=k)
+        without, plain_tokens = timed()
+        return {
+            "batch_size": 1,
+            "k": k,
+            "prompts": len(self.prompts),
+            "output_tokens_per_s": with_drafter,
+            "baseline_output_tokens_per_s": without,
+            "speedup": with_drafter / without if without > 0 else None,
+            "lossless": spec_tokens == plain_tokens,
+        }
 
     def evaluate_dir(self, checkpoint_dir: str | Path, ks: list[int]) -> dict[int, dict[str, Any]]:
         """vLLM's figures per K for a checkpoint directory: its counters, acceptance length and per
@@ -151,8 +196,11 @@ class VllmJudge:
                 "acceptance_rate_per_position": check.acceptance_rate_per_position,
                 "num_prompts": check.prompts,
                 "num_generated_tokens": check.output_tokens,
+                "drafts": check.drafts,
                 "matches_greedy": True,  # check_in_vllm raises otherwise
             }
+            if check.categories:
+                out[k]["categories"] = check.categories
         return out
 
     def evaluate_model(self, model: PEagleDraftModel, ks: list[int], *, verifier_config: Any = None) -> dict:

@@ -115,18 +115,117 @@ def checkpoint_acceptance(ckpt: Checkpoint) -> dict[str, float]:
     }
 
 
-def vllm_acceptance(ckpt: Checkpoint) -> dict[str, float]:
-    """vLLM's acceptance length per K where it was measured: its spec-decode counters during our
-    evaluation (`evaluation.engine`), else the publish check's run on the published files."""
+def _vllm_figures(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
+    """vLLM's figures per K where it measured them: its spec-decode counters during our evaluation
+    (`evaluation.engine`), else the publish check's run on the published files."""
     out = {}
     for k, r in (_eval(ckpt).get("results") or {}).items():
-        value = ((r or {}).get("vllm") or {}).get("acceptance_length") if isinstance(r, dict) else None
-        if isinstance(value, int | float):
-            out[k] = float(value)
+        fig = r.get("vllm") if isinstance(r, dict) else None
+        if isinstance(fig, dict) and _num(fig.get("acceptance_length")) is not None:
+            out[k] = fig
     serving = _eval(ckpt).get("serving") or {}
-    if not out and isinstance(serving.get("acceptance_length"), int | float) and serving.get("k"):
-        out[f"k={serving['k']}"] = float(serving["acceptance_length"])
+    measured = isinstance(serving, dict) and _num(serving.get("acceptance_length")) is not None
+    if not out and measured and isinstance(serving.get("k"), int):
+        out[f"k={serving['k']}"] = serving
     return out
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _rates(value: Any) -> list[float]:
+    return [float(v) for v in value if _num(v) is not None] if isinstance(value, list) else []
+
+
+def vllm_acceptance(ckpt: Checkpoint) -> dict[str, float]:
+    """vLLM's acceptance length per K where it was measured."""
+    return {k: float(fig["acceptance_length"]) for k, fig in _vllm_figures(ckpt).items()}
+
+
+@dataclass
+class PositionRow:
+    k: str
+    position: int  # 1-based: the share of drafts whose first `position` tokens were all accepted
+    ours: float | None
+    vllm: float | None
+
+
+def acceptance_by_position(ckpt: Checkpoint) -> list[PositionRow]:
+    """Per K and draft position: our acceptance rate and vLLM's, where each was measured."""
+    ours = {
+        k: _rates(r.get("acceptance_rate_per_position"))
+        for k, r in (_eval(ckpt).get("results") or {}).items()
+        if isinstance(r, dict)
+    }
+    theirs = {k: _rates(fig.get("acceptance_rate_per_position")) for k, fig in _vllm_figures(ckpt).items()}
+    rows = []
+    for k in dict.fromkeys([*ours, *theirs]):
+        a, b = ours.get(k, []), theirs.get(k, [])
+        for j in range(max(len(a), len(b))):
+            rows.append(PositionRow(k, j + 1, a[j] if j < len(a) else None, b[j] if j < len(b) else None))
+    return rows
+
+
+@dataclass
+class CategoryRow:
+    k: str
+    category: str
+    prompts: int | None
+    ours: float | None
+    vllm: float | None
+
+
+def acceptance_by_category(ckpt: Checkpoint) -> list[CategoryRow]:
+    """Per K and prompt category (where the evaluation prompts carry one): ours and vLLM's acceptance."""
+
+    def per_category(fig: Any) -> dict[str, dict[str, Any]]:
+        cats = fig.get("categories") if isinstance(fig, dict) else None
+        return {str(c): v for c, v in cats.items() if isinstance(v, dict)} if isinstance(cats, dict) else {}
+
+    ours = {k: per_category(r) for k, r in (_eval(ckpt).get("results") or {}).items()}
+    theirs = {k: per_category(fig) for k, fig in _vllm_figures(ckpt).items()}
+    rows = []
+    for k in dict.fromkeys([*ours, *theirs]):
+        a, b = ours.get(k, {}), theirs.get(k, {})
+        for cat in dict.fromkeys([*a, *b]):
+            n = (a.get(cat) or b.get(cat) or {}).get("num_prompts")
+            rows.append(
+                CategoryRow(
+                    k,
+                    cat,
+                    n if isinstance(n, int) else None,
+                    _num((a.get(cat) or {}).get("acceptance_length")),
+                    _num((b.get(cat) or {}).get("acceptance_length")),
+                )
+            )
+    return rows
+
+
+@dataclass
+class Speedup:
+    k: int | None
+    batch_size: int | None
+    prompts: int | None
+    with_drafter: float
+    without: float
+    ratio: float
+
+
+def vllm_speedup(ckpt: Checkpoint) -> Speedup | None:
+    """vLLM's measured speed-up (`evaluation.measure_speedup`), recorded by the publish check."""
+    m = (_eval(ckpt).get("serving") or {}).get("speedup")
+    if not isinstance(m, dict):
+        return None
+    a, b, ratio = (
+        _num(m.get(key)) for key in ("output_tokens_per_s", "baseline_output_tokens_per_s", "speedup")
+    )
+    if a is None or b is None or ratio is None:
+        return None
+    ints = {
+        key: m.get(key) if isinstance(m.get(key), int) else None for key in ("k", "batch_size", "prompts")
+    }
+    return Speedup(ints["k"], ints["batch_size"], ints["prompts"], a, b, ratio)
 
 
 @dataclass
@@ -167,6 +266,9 @@ class CheckpointCard:
     acceptance: dict[str, float]
     vllm: dict[str, float]
     command: str
+    positions: list[PositionRow]
+    categories: list[CategoryRow]
+    speedup: Speedup | None
 
 
 def checkpoint_cards(job: Job, checkpoints: list[Checkpoint]) -> list[CheckpointCard]:
@@ -182,6 +284,9 @@ def checkpoint_cards(job: Job, checkpoints: list[Checkpoint]) -> list[Checkpoint
             vllm=vllm_acceptance(c),
             # The archive unpacks into a directory named after the checkpoint.
             command=serve_command(verifier, f"./{c.id}", max(ks)),
+            positions=acceptance_by_position(c),
+            categories=acceptance_by_category(c),
+            speedup=vllm_speedup(c),
         )
         for c in checkpoints
     ]

@@ -62,11 +62,37 @@ def test_bad_fields_are_named(patch: dict, param: str) -> None:
     assert param in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        [{"prompt": "p", "category": ""}],
+        [{"prompt": "p", "category": "c" * 65}],
+        [{"prompt": "p" * 40000, "category": "c"}],
+        [{"prompt": "", "category": "c"}],
+        [{"prompt": "p", "topic": "c"}],
+        [{"category": "c"}],
+    ],
+)
+def test_categorised_prompts_are_bounded_and_named(prompts: list) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({**BASE, "evaluation": {"prompts": prompts}})
+    assert all(p.startswith("evaluation.prompts") for p, _ in info.value.errors)
+
+
+def test_prompts_may_carry_a_category_and_round_trip() -> None:
+    raw = ["plain", {"prompt": "Write a poem.", "category": "writing"}, {"prompt": "No category."}]
+    spec = parse_spec({**BASE, "evaluation": {"prompts": raw}})
+    dumped = spec.model_dump(mode="json", exclude_none=True)["evaluation"]["prompts"]
+    assert dumped == raw and parse_spec(spec.model_dump(mode="json")) == spec
+
+
 def test_cross_field_rules() -> None:
     with pytest.raises(SpecError, match="speculative_tokens"):
         parse_spec({**BASE, "evaluation": {"speculative_tokens": [8]}})
     with pytest.raises(SpecError, match="total_seq_len"):
         parse_spec({**BASE, "training": {"total_seq_len": 256}})
+    with pytest.raises(SpecError, match=r"evaluation\.measure_speedup.*export\.vllm_check"):
+        parse_spec({**BASE, "evaluation": {"measure_speedup": True}, "export": {"vllm_check": False}})
     with pytest.raises(SpecError, match="exactly one"):
         parse_spec({**BASE, "dataset": {"path": "a", "id": "b"}})
 

@@ -297,3 +297,39 @@ def test_nonfinite_losses_fail_as_diverged_and_keep_the_last_good_checkpoint(
     assert latest_checkpoint(run / "checkpoints") == kept
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_00000002"
     assert_same_weights(load_file(str(kept / "model.safetensors")), good_weights)
+
+
+def test_categorised_prompts_are_evaluated_per_category_and_pool_to_the_whole(
+    toy_verifier_dir: Path, toy_dataset_path: Path, prepared_dataset: Path, toy_verifier, tmp_path: Path
+) -> None:
+    from peagle_core.builders import eval_prompts
+    from peagle_core.evaluate import evaluate
+    from peagle_core.spec import parse_spec
+    from peagle_core.toy import build_corpus
+
+    users = [
+        next(m["content"] for m in c["messages"] if m["role"] == "user") for c in build_corpus(seed=0)[-3:]
+    ]
+    raw = make_spec(toy_verifier_dir, toy_dataset_path, max_steps=2).model_dump(mode="json")
+    raw["evaluation"]["prompts"] = [
+        {"prompt": users[0], "category": "a"},
+        users[1],  # no category: grouped as "uncategorised" beside the others
+        {"prompt": users[2], "category": "a"},
+    ]
+    spec = parse_spec(raw)
+    metrics: list[dict] = []
+    result = train(spec, tmp_path / "run", dataset_dir=prepared_dataset, on_metrics=metrics.append)
+    eval_json = json.loads((result.export_dir / "eval.json").read_text())
+    r3 = eval_json["results"]["k=3"]
+    assert {c: v["num_prompts"] for c, v in r3["categories"].items()} == {"a": 2, "uncategorised": 1}
+    assert sum(v["drafts"] for v in r3["categories"].values()) == r3["verifier_passes"]
+    # Decoding the categories apart changes nothing: the pooled figures are the ungrouped evaluation's.
+    whole = evaluate(result.model, toy_verifier, eval_prompts(spec, None, [], toy_verifier), 3, 8,
+                     toy_verifier.tokenizer.eos_token_id)  # fmt: skip
+    assert r3["acceptance_length"] == pytest.approx(whole.acceptance_length)
+    assert r3["acceptance_rate_per_position"] == pytest.approx(whole.acceptance_rate_per_position)
+    # Per-position rates are metric-row scalars too.
+    final = [m for m in metrics if "eval/acceptance_length@3" in m][-1]
+    assert [final[f"eval/acceptance_rate@3_pos{j}"] for j in (1, 2, 3)] == pytest.approx(
+        r3["acceptance_rate_per_position"]
+    )

@@ -167,6 +167,85 @@ def test_editor_renders_thousands_of_errors_in_linear_time_showing_the_first_50(
     assert 'data-param="resources.queue"' in r.text and "unknown queue" in r.text
 
 
+def test_the_job_page_shows_acceptance_per_position_and_category_and_the_speedup(
+    client, auth, api_key, spec, settings
+) -> None:
+    from service.db.models import Job
+
+    def figures(al: float, rates: list[float], n: int) -> dict[str, Any]:
+        return {
+            "acceptance_length": al,
+            "acceptance_rate_per_position": rates,
+            "drafts": 40,
+            "num_prompts": n,
+        }
+
+    # eval.json as the trainer writes it: per K, ours and vLLM's, per category, and the publish check.
+    eval_json = {
+        "step": 5,
+        "results": {
+            "k=2": {
+                "k": 2,
+                "acceptance_length": 1.875,
+                "acceptance_rate_per_position": [0.6875, 0.1875],
+                "verifier_passes": 80,
+                "categories": {"writing": figures(2.25, [0.8125, 0.4375], 3), "<b>math</b>": figures(1.5, [0.4, 0.1], 1)},
+                "vllm": {
+                    "acceptance_length": 1.8125,
+                    "acceptance_rate_per_position": [0.6625, 0.15],
+                    "categories": {"writing": figures(2.125, [0.75, 0.375], 3), "<b>math</b>": figures(1.4375, [0.4, 0.0375], 1)},
+                },
+            }
+        },
+        "serving": {
+            "status": "verified", "k": 2, "acceptance_length": 1.8125, "ours_acceptance_length": 1.875,
+            "acceptance_floor": 1.41,
+            "speedup": {"batch_size": 1, "k": 2, "prompts": 4, "output_tokens_per_s": 20.25,
+                        "baseline_output_tokens_per_s": 16.5, "speedup": 1.2272, "lossless": True},
+        },
+    }  # fmt: skip
+    job = create_job(client, auth, spec)
+    sessions = session_factory(settings.database_url)
+    with sessions() as s:
+        project_id = s.get(Job, job["id"]).project_id
+        for step in (1, 5):  # an early checkpoint recorded before any evaluation shows no tables
+            add_checkpoint(
+                s, job_id=job["id"], project_id=project_id, step=step, uri=f"checkpoints/x{step}",
+                files=[{"name": "config.json", "size": 2, "sha256": "0" * 64}],
+                metrics={"eval": eval_json, "eval/vllm_speedup@2": 1.2272} if step == 5 else {},
+            )  # fmt: skip
+        s.commit()
+    sign_in(client, api_key)
+    details = client.get(f"/ui/jobs/{job['id']}/panel?part=details").text
+    cards = details.split('<article class="checkpoint"')[1:]
+    (measured,) = [c for c in cards if "step 5" in c]
+    (bare,) = [c for c in cards if "step 1" in c]
+    positions = measured.split('class="grid compact acceptance-positions"')[1].split("</table>")[0]
+    rows = re.findall(
+        r"<tr><td>(\d+)</td><td class=\"num\">(\d+)</td>\s*<td[^>]*>([^<]+)</td>\s*<td[^>]*>([^<]+)</td>",
+        positions,
+    )
+    assert rows == [("2", "1", "0.688", "0.662"), ("2", "2", "0.188", "0.150")]
+    categories = measured.split('class="grid compact acceptance-categories"')[1].split("</table>")[0]
+    assert re.search(
+        r"writing</td>\s*<td[^>]*>3</td>\s*<td[^>]*>2.250</td>\s*<td[^>]*>2.125</td>", categories
+    )
+    # A category is the client's text: escaped, never markup.
+    assert "&lt;b&gt;math&lt;/b&gt;" in categories and "<b>math</b>" not in details
+    assert re.search(r"<td[^>]*>1.500</td>\s*<td[^>]*>1.438</td>", categories)
+    assert "1.23×" in measured and "20.2 tokens/s with the drafter at K=2" in measured
+    assert "16.5 without, at batch 1 on 4 prompts" in measured
+    assert "acceptance-positions" not in bare and "speed-up" not in bare
+    # The API hands out the same figures.
+    api = client.get(f"/v1/jobs/{job['id']}/checkpoints", headers=auth).json()["data"]
+    (row,) = [c for c in api if c["step"] == 5]
+    assert row["metrics"]["eval"]["serving"]["speedup"]["speedup"] == 1.2272
+    assert (
+        row["metrics"]["eval"]["results"]["k=2"]["vllm"]["categories"]["writing"]["acceptance_length"]
+        == 2.125
+    )
+
+
 def test_editor_shows_errors_at_their_line_and_submits_through_the_api(client, auth, api_key, spec) -> None:
     sign_in(client, api_key)
     token = csrf_of(client, "/ui/jobs/new")

@@ -12,8 +12,21 @@ from tests.worker.conftest import PEAGLE, REPO, VLLM_ON, Stack, toy_spec
 def test_job_succeeds_and_publishes_a_valid_checkpoint(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path
 ) -> None:
-    # The whole production path: evaluated by us and by vLLM, published through the vLLM gate.
-    job_id = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path, **VLLM_ON))
+    # The whole production path: evaluated by us and by vLLM, published through the vLLM gate, on two
+    # prompts of two categories, with vLLM's speed-up measured.
+    from peagle_core.toy import build_corpus
+
+    users = [
+        next(m["content"] for m in c["messages"] if m["role"] == "user") for c in build_corpus(seed=0)[-2:]
+    ]
+    evaluation = {
+        **VLLM_ON["evaluation"],
+        "prompts": [{"prompt": users[0], "category": "first"}, {"prompt": users[1], "category": "second"}],
+        "measure_speedup": True,
+    }
+    job_id = stack.submit(
+        toy_spec(toy_verifier_dir, toy_dataset_path, evaluation=evaluation, export=VLLM_ON["export"])
+    )
     stack.run_burst()
     job = stack.job(job_id)
     assert job.status == "succeeded", (job.error, [e.message for e in stack.events(job_id)])
@@ -38,6 +51,20 @@ def test_job_succeeds_and_publishes_a_valid_checkpoint(
     serving = ckpt.metrics["eval"]["serving"]
     assert serving["status"] == "verified" and serving["engine"].startswith("vllm ")
     assert serving["k"] == 2 and serving["prompts"] == 2
+    # The collapse check ran against our figure; per category and per position, ours and vLLM's; the speed-up.
+    result = ckpt.metrics["eval"]["results"]["k=2"]
+    assert serving["ours_acceptance_length"] == result["acceptance_length"]
+    assert serving["acceptance_floor"] is None or serving["acceptance_length"] >= serving["acceptance_floor"]
+    assert list(result["categories"]) == list(result["vllm"]["categories"]) == ["first", "second"]
+    assert (
+        len(result["acceptance_rate_per_position"])
+        == len(result["vllm"]["acceptance_rate_per_position"])
+        == 2
+    )
+    assert serving["speedup"]["lossless"] is True and serving["speedup"]["speedup"] > 0
+    assert ckpt.metrics["eval/vllm_speedup@2"] == serving["speedup"]["speedup"]
+    assert any("eval/acceptance_rate@2_pos2" in m for m in metrics)
+    assert any("eval/vllm_acceptance_rate@2_pos2" in m for m in metrics)
     assert {f["name"] for f in ckpt.files} >= {
         "config.json",
         "model.safetensors",
