@@ -2,7 +2,9 @@
 
 Each step the drafter proposes K tokens in one parallel pass, the verifier scores them in one pass, and the
 longest prefix agreeing with the verifier's greedy choice is kept plus the verifier's bonus token, so the
-output is exactly the verifier's own greedy decoding (speculation is lossless).
+output is exactly the verifier's own greedy decoding (speculation is lossless). `evaluate` runs the batched,
+KV-cached engine (peagle_core.speculate); `speculative_decode` and `evaluate_reference` are the plain,
+one-prompt, full-recompute definition it is tested and benchmarked against.
 """
 
 from __future__ import annotations
