@@ -16,7 +16,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -351,14 +351,27 @@ def _flex_attention(
     return out[0].transpose(0, 1)
 
 
+class CachedLayout(Protocol):
+    """The rows of one incremental drafting step, whose keys also include K/V cached by earlier steps
+    (`peagle_core.draft_cache`): it attends itself, the backend does not apply."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 def parallel_group_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout, backend: Backend = "auto"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: AttentionLayout | CachedLayout,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Attention of rows q [N, h, dh] over k, v [N, hkv, dh] under the parallel-group rule.
 
     `auto` picks FlexAttention on CUDA and the chunked kernel elsewhere; `dense` (SDPA with the full
     boolean mask) is the reference. Padding queries get zeros.
     """
+    if not isinstance(layout, AttentionLayout):
+        return layout.attend(q, k, v)
     if backend == "auto":
         backend = "flex" if q.is_cuda else "chunked"
     if backend == "flex":

@@ -2,12 +2,15 @@
 
 Each step the drafter proposes K tokens in one parallel pass, the verifier scores them in one pass, and the
 longest prefix agreeing with the verifier's greedy choice is kept plus the verifier's bonus token, so the
-output is exactly the verifier's own greedy decoding (speculation is lossless).
+output is exactly the verifier's own greedy decoding (speculation is lossless). `evaluate` runs the batched,
+KV-cached engine (peagle_core.speculate); `speculative_decode` and `evaluate_reference` are the plain,
+one-prompt, full-recompute definition it is tested and benchmarked against.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,20 +129,55 @@ def evaluate(
     k: int,
     max_new_tokens: int,
     eos_token_id: int | None = None,
+    batch_size: int = 16,
 ) -> EvalResult:
-    """Speculatively decode every prompt with K drafted tokens per step and summarise acceptance."""
+    """Speculatively decode every prompt with K drafted tokens per step and summarise acceptance.
+
+    Batched and KV-cached (`peagle_core.speculate`); the same tokens and acceptance as
+    `evaluate_reference`, which recomputes every sequence in full at every step.
+    """
+    from peagle_core.speculate import speculative_decode_batch
+
     if k < 1:
         raise ValueError("k must be >= 1")
+    with _eval_mode(drafter):
+        decoded = speculative_decode_batch(
+            drafter, verifier, prompts, k, max_new_tokens, eos_token_id, batch_size=batch_size
+        )
+    return _summarise(k, decoded)
+
+
+def evaluate_reference(
+    drafter: PEagleDraftModel,
+    verifier: Verifier,
+    prompts: Sequence[torch.Tensor],
+    k: int,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+) -> EvalResult:
+    """`evaluate` one prompt at a time with full recomputation (`speculative_decode`): the reference the
+    cached evaluator is tested and benchmarked against."""
+    if k < 1:
+        raise ValueError("k must be >= 1")
+    with _eval_mode(drafter):
+        decoded = [speculative_decode(drafter, verifier, p, k, max_new_tokens, eos_token_id) for p in prompts]
+    return _summarise(k, decoded)
+
+
+@contextmanager
+def _eval_mode(drafter: PEagleDraftModel) -> Iterator[None]:
     was_training = drafter.training
     drafter.eval()
     try:
-        outputs, steps = [], []
-        for prompt in prompts:
-            tokens, accepted = speculative_decode(drafter, verifier, prompt, k, max_new_tokens, eos_token_id)
-            outputs.append(tokens)
-            steps += accepted
+        yield
     finally:
         drafter.train(was_training)
+
+
+def _summarise(k: int, decoded: Sequence[tuple[list[int], list[int]]]) -> EvalResult:
+    """Acceptance over every step of every prompt, steps taken in prompt order."""
+    outputs = [tokens for tokens, _ in decoded]
+    steps = [a for _, accepted in decoded for a in accepted]
     n = len(steps)
     counts = torch.tensor(steps, dtype=torch.float64)
     rates = [float((counts > j).double().mean()) if n else 0.0 for j in range(k)]
@@ -148,7 +186,7 @@ def evaluate(
         acceptance_length=float((counts + 1).mean()) if n else 0.0,
         acceptance_rate_per_position=rates,
         verifier_passes=n,
-        num_prompts=len(prompts),
+        num_prompts=len(decoded),
         num_generated_tokens=sum(len(t) for t in outputs),
         tokens=outputs,
     )

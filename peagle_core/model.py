@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from peagle_core.attention import AttentionLayout, Backend, parallel_group_attention
+from peagle_core.attention import AttentionLayout, Backend, CachedLayout, parallel_group_attention
 from peagle_core.config import PEagleConfig
 from peagle_core.speculators import read_checkpoint
 
@@ -46,7 +46,7 @@ class PEagleAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        layout: AttentionLayout,
+        layout: AttentionLayout | CachedLayout,
         backend: Backend,
         expand: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -83,7 +83,7 @@ class PEagleDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        layout: AttentionLayout,
+        layout: AttentionLayout | CachedLayout,
         backend: Backend,
         embeds: torch.Tensor | None = None,
         expand: torch.Tensor | None = None,

@@ -175,24 +175,34 @@ class Verifier:
     def _capture_norm_input(self, _module: Any, args: tuple[Any, ...]) -> None:
         self._captured.last = args[0]
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, want_logits: bool):
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        want_logits: bool,
+        cached: dict[str, Any] | None = None,
+    ):
         import torch
 
         input_ids = input_ids.to(self.device)
         if attention_mask is not None:
             attention_mask = attention_mask.to(self.device)
+        # no cache unless the caller holds one: a full pass would otherwise build (and drop) one per call
+        kwargs = cached if cached is not None else {"use_cache": False}
         self.calls += 1
         self._captured.last = None
         with torch.inference_mode():
             if want_logits:
                 out = self.model(
-                    input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+                    input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
                 )
                 logits = out.logits
             else:
                 # the base model alone: skips the lm_head, which is the largest matmul for big vocabularies
                 decoder = self.model.get_decoder()
-                out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+                out = decoder(
+                    input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
+                )
                 logits = None
             aux = torch.cat([out.hidden_states[i] for i in self.layer_ids], dim=-1)
             last = self._captured.last
@@ -213,4 +223,21 @@ class Verifier:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(logits [B,T,V], aux [B,T,3H])` for a batch, for evaluation."""
         logits, aux, _ = self._forward(input_ids, attention_mask, want_logits=True)
+        return logits, aux
+
+    def extend(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        logits_to_keep: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits, aux [B,T,3H])` of `input_ids [B,T]` appended to a KV `cache` (a transformers
+        `DynamicCache`, updated in place). `attention_mask [B, cached + T]` marks the valid cache entries
+        and new tokens, `position_ids [B,T]` each row's positions; `logits_to_keep=n` keeps the last n."""
+        kwargs = {"position_ids": position_ids.to(self.device), "past_key_values": cache, "use_cache": True}
+        if logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        logits, aux, _ = self._forward(input_ids, attention_mask, want_logits=True, cached=kwargs)
         return logits, aux

@@ -193,3 +193,54 @@ def test_draft_matches_training_forward() -> None:
     alone = model.draft(batch.hidden_states[:, :short], batch.input_ids[:, :short], k=k)
     assert both[0].tolist() == drafted[0].tolist()
     assert both[1].tolist() == alone[0].tolist()
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"layer_type": "qwen3"}, {"norm_before_residual": True}], ids=["llama", "qwen3", "nbr"]
+)
+def test_draft_step_matches_full_draft(overrides: dict) -> None:
+    """Drafting from the depth-0 K/V cache (peagle_core.draft_cache) proposes what `draft` proposes over the
+    whole sequence, step after step, for a batch whose rows grow by different amounts (1..k+1 rows)."""
+    from peagle_core.draft_cache import DraftCache, draft_step
+
+    model, _ = tiny_model(seed=2, num_layers=2, **overrides)
+    model.eval()
+    # At the default init (std 0.02) attention barely moves the drafts, which then ignore the context and
+    # could not reveal a wrong cache, mask or position; at 0.25 perturbing earlier rows changes them.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.25)
+    k = 4
+    g = torch.Generator().manual_seed(2)
+    lengths = [11, 4, 7]  # aligned rows each sequence starts with
+    total = max(lengths) + 6 * (k + 1)
+    hidden = torch.randn(len(lengths), total, 3 * H, generator=g)
+    ids = torch.randint(0, VOCAB - 1, (len(lengths), total), generator=g)
+    cache = DraftCache(len(model.layers), len(lengths), torch.device("cpu"))
+    done = [0] * len(lengths)
+    grow = lengths
+    for step in range(6):
+        width = max(grow)
+        h_new = torch.zeros(len(lengths), width, 3 * H)
+        i_new = torch.zeros(len(lengths), width, dtype=torch.long)
+        real = torch.zeros(len(lengths), width, dtype=torch.bool)
+        for b, n in enumerate(grow):
+            h_new[b, width - n :], i_new[b, width - n :] = (
+                hidden[b, done[b] : done[b] + n],
+                ids[b, done[b] : done[b] + n],
+            )
+            real[b, width - n :] = True
+            done[b] += n
+        stepped = draft_step(model, cache, h_new, i_new, real, k)
+        for b in range(len(lengths)):
+            full = model.draft(hidden[b : b + 1, : done[b]], ids[b : b + 1, : done[b]], k=k)
+            assert stepped[b].tolist() == full[0].tolist(), (step, b)
+        grow = torch.randint(1, k + 2, (len(lengths),), generator=g).tolist()
+    # finished sequences leave the batch; the others keep drafting from their own rows
+    cache.select(torch.tensor([2, 0]))
+    h_new, i_new = hidden[[2, 0], done[2] : done[2] + 1], ids[[2, 0], done[2] : done[2] + 1]
+    h_new[1], i_new[1] = hidden[0, done[0]], ids[0, done[0]]
+    stepped = draft_step(model, cache, h_new, i_new, torch.ones(2, 1, dtype=torch.bool), k)
+    for row, b in enumerate((2, 0)):
+        full = model.draft(hidden[b : b + 1, : done[b] + 1], ids[b : b + 1, : done[b] + 1], k=k)
+        assert stepped[row].tolist() == full[0].tolist()
