@@ -73,7 +73,8 @@ class Settings(BaseSettings):
     )
     allowed_data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
-        description="Server directories a spec's dataset.path and hidden_states.cache_uri may point into.",
+        description="Server directories a spec's dataset.path may point into (read by every project, so "
+        "never a cache's destination).",
     )
     project_files_root: Path | None = Field(
         default=None,
