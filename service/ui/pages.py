@@ -209,6 +209,7 @@ def new_job(
                 idempotency_key or None,
             )
         except ApiError as exc:
+            db.rollback()  # the create's locks (its dataset row) end here, not after the page renders
             errors = editor.errors_at_lines(spec_yaml, [(exc.param or "", exc.message)])
         else:
             return RedirectResponse(f"/ui/jobs/{job.id}", status_code=303)

@@ -76,7 +76,8 @@ def create_job(
             code="tracker_unavailable",
             param="spec.tracking.report_to",
         )
-    if spec.dataset.id is not None and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
+    # Locked until the commit: a concurrent DELETE of the dataset waits, then sees this job (409).
+    if spec.dataset.id is not None and datasets_crud.lock_dataset(db, project.id, spec.dataset.id) is None:
         raise ApiError(
             422, f"no dataset with id {spec.dataset.id!r}", code="dataset_not_found", param="spec.dataset.id"
         )
