@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -139,6 +139,12 @@ class Settings(BaseSettings):
         max_length=512,
         description="Key that signs web dashboard session cookies; default: a random one kept in "
         "<data_dir>/ui-secret (set it when several API processes share no data dir).",
+    )
+    ui_secure_cookie: bool | Literal["auto"] = Field(
+        default="auto",
+        description="The dashboard cookie's Secure flag: true, false, or auto (Secure unless the request is "
+        "https-less to a loopback host: localhost, 127.0.0.1, ::1). Behind a TLS-terminating proxy that "
+        "forwards plain HTTP, set true.",
     )
     ui_session_max_age_s: int = Field(
         default=12 * 3600, ge=60, le=30 * 24 * 3600, description="How long a dashboard sign-in lasts."
