@@ -99,16 +99,26 @@ def train_distributed(
         cmd += ["--cache-dir", str(cache_dir)]
     proc = subprocess.Popen(cmd, env=env)
     signalled: set[int] = set()
-    while proc.poll() is None:
-        if preempted is None:
+    try:
+        while proc.poll() is None:
+            if preempted is None:
+                proc.wait()
+            elif preempted.is_set():
+                # Again each round: a rank that announced itself since the last round is told too.
+                signalled |= forward_signal(pid_dir, PREEMPT_SIGNAL, skip=signalled)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.5)
+            else:
+                preempted.wait(0.5)
+    except BaseException:
+        # The horse itself is going (a timeout, an interrupt): torchrun stops its ranks on SIGTERM.
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
             proc.wait()
-        elif preempted.is_set():
-            # Again each round: a rank that announced itself since the last round is told too.
-            signalled |= forward_signal(pid_dir, PREEMPT_SIGNAL, skip=signalled)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.5)
-        else:
-            preempted.wait(0.5)
+        raise
     if not result_path.is_file():
         raise PeagleError(
             f"a training rank exited (torchrun status {proc.returncode}) before rank 0 reported a result; "
