@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -150,6 +151,25 @@ def forward_signal(pid_dir: Path, signum: int, *, skip: set[int]) -> set[int]:
     return sent
 
 
+def listen_for_preemption(preempted: threading.Event) -> None:
+    """Set `preempted` when PREEMPT_SIGNAL arrives, without it ever interrupting another thread.
+
+    Call first thing in a rank, before any thread exists: the signal is blocked in this thread, so every
+    thread started later (gloo's, the data loader's) inherits the block and none of their blocking calls
+    is cut short by it (a gloo thread interrupted mid-receive can hang the group's teardown); one thread
+    takes it with sigwait. A thread that existed before still gets the Python handler, never the default
+    action (which would kill the rank)."""
+    signal.signal(PREEMPT_SIGNAL, lambda *_: preempted.set())
+    signal.pthread_sigmask(signal.SIG_BLOCK, {PREEMPT_SIGNAL})
+
+    def wait() -> None:
+        while True:
+            signal.sigwait({PREEMPT_SIGNAL})
+            preempted.set()
+
+    threading.Thread(target=wait, name="preempt-signal", daemon=True).start()
+
+
 def _announce(pid_dir: Path, rank: int) -> None:
     tmp = pid_dir / f".rank-{rank}.tmp"
     tmp.write_text(str(os.getpid()))
@@ -163,6 +183,10 @@ def _rank_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir")
     parser.add_argument("--attempt", type=int, required=True)
     args = parser.parse_args(argv)
+    # Before the imports below start any thread (torch, the database pool); announced once the trainer can
+    # act on it.
+    preempted = threading.Event()
+    listen_for_preemption(preempted)
 
     from peagle_core.train import train
     from service.crud.jobs import find_job
@@ -186,9 +210,10 @@ def _rank_main(argv: list[str] | None = None) -> int:
         f"rank {rank} of {world_size} started",
         {"kind": "rank", "rank": rank, "world_size": world_size, "pid": os.getpid()},
     )
-    monitor = JobMonitor(sessions, args.job_id, args.attempt, heartbeat_s=float("inf")).start()
+    monitor = JobMonitor(sessions, args.job_id, args.attempt, heartbeat_s=float("inf"))
     # The horse forwards a drain's signal: stop at the next step with a checkpoint, like the horse would.
-    monitor.stop_on_signal()
+    monitor.preempted = preempted
+    monitor.start()
     _announce(Path(args.pid_dir), rank)
     # Only rank 0 reports: one set of metric rows, progress and events per job.
     progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt).start() if rank == 0 else None
