@@ -114,7 +114,7 @@ def test_the_5xx_the_fuzz_found_are_422_naming_the_field(client, auth, events_jo
         r = client.get(f"/v1/jobs/{events_job}/events", headers={**sse, "Last-Event-ID": _header(bad)})
         assert r.status_code == 422 and r.json()["error"]["param"] == "Last-Event-ID", (bad, r.text)
     r = client.get(f"/v1/jobs/{events_job}/events", headers={**sse, "Last-Event-ID": " 1 "})
-    assert (r.status_code == 200 and "event: " in r.text) or "data: " in r.text
+    assert r.status_code == 200 and "data: " in r.text, r.text
     for path in ("events", "metrics"):
         r = client.get(f"/v1/jobs/{events_job}/{path}?after={1 << 63}", headers=auth)
         assert r.status_code == 422 and r.json()["error"]["param"] == "after", r.text
