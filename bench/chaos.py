@@ -5,13 +5,20 @@ own scratch directory, i.e. its own "machine"), a private Postgres cluster and a
 on free ports of this machine (nothing shared is touched). Jobs are toy trainings submitted over HTTP.
 
     python bench/chaos.py                      # the counts
-    python bench/chaos.py --sigkill 3 --pg-outage 1 --redis-jobs 6 --freeze 1 --cross-machine 1
+    python bench/chaos.py --sigkill 3 --pg-outage 1 --redis-jobs 6 --freeze 1 --cross-machine 1 \
+        --tracker-outage 1 --drain-multigpu 1 --dataset-race 10
 
 Scenarios: `sigkill` (SIGKILL a worker's tree at a random point, start a replacement on the same scratch),
 `pg_outage` (Postgres stopped for --outage-s mid-job), `redis_restart` (redis-server killed and restarted
 with --redis-jobs queued jobs; it keeps no data), `freeze` (SIGSTOP the worker holding the job until the
 reconciler requeues it, then SIGCONT), `cross_machine` (SIGKILL the holder, leave it dead: the other worker
-resumes from the mirrored checkpoint; a worker on a fresh scratch directory then replaces it).
+resumes from the mirrored checkpoint; a worker on a fresh scratch directory then replaces it),
+`tracker_outage` (Postgres stopped for --outage-s while a job reports to TensorBoard: the job succeeds, its
+TensorBoard archive is served and at most one warning event is logged), `drain_multigpu` (SIGTERM the
+worker holding a two-rank job (CPU ranks over gloo): the job is requeued with a checkpoint, resumes on a
+replacement worker and succeeds), `dataset_race` (DELETE an uploaded dataset while a job naming it is
+created, both at once: `orphaned` counts trials where both succeeded, i.e. a job queued on a deleted
+dataset; every job so created is cancelled again).
 
 lost: a job that did not succeed within --deadline-s. duplicated: a job with more than one published
 checkpoint, or whose metric rows show an older attempt writing after a newer one started (two attempts
@@ -85,6 +92,8 @@ class Stack:
             "PEAGLE_WORKER_HEARTBEAT_S": str(heartbeat_s),
             "PEAGLE_RECONCILE_INTERVAL_S": str(reconcile_s),
             "OMP_NUM_THREADS": "1",
+            # Two-rank jobs (drain_multigpu) run as CPU ranks over gloo on a machine without GPUs.
+            "PEAGLE_ALLOW_CPU_MULTIPROCESS": "1",
         }
         self.api_port = free_port()
         self.api = self._spawn(
@@ -177,8 +186,13 @@ class Stack:
             return None
         return r.json() if r.status_code == 200 else None
 
-    def submit(self, steps: int) -> str:
-        spec = {
+    def submit(self, steps: int, **overrides: Any) -> str:
+        r = self.http.post("/v1/jobs", json={"spec": self.spec(steps, **overrides)})
+        r.raise_for_status()
+        return r.json()["id"]
+
+    def spec(self, steps: int, **overrides: Any) -> dict[str, Any]:
+        spec: dict[str, Any] = {
             "verifier": {"name_or_path": str(self.verifier)},
             "dataset": {"path": str(self.dataset), "seq_len": 128, "val_fraction": 0.1},
             "hidden_states": {"mode": "online"},
@@ -187,9 +201,9 @@ class Stack:
                          "checkpoint_every_steps": 5, "seed": 3},
             "evaluation": {"prompts": 1, "max_new_tokens": 8},
         }  # fmt: skip
-        r = self.http.post("/v1/jobs", json={"spec": spec})
-        r.raise_for_status()
-        return r.json()["id"]
+        for section, values in overrides.items():
+            spec[section] = {**spec.get(section, {}), **values}
+        return spec
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         return self._get(f"/v1/jobs/{job_id}")
@@ -384,12 +398,123 @@ def scenario_cross_machine(stack: Stack, trials: int, args: argparse.Namespace) 
     _verdict(stack, "cross_machine", jobs, args.deadline_s, started, resumed_from_step=resumed_from)
 
 
+def scenario_tracker_outage(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    started, jobs, published, warnings = time.monotonic(), [], 0, []
+    for _ in range(trials):
+        job_id = stack.submit(args.steps, tracking={"report_to": ["tensorboard"]})
+        jobs.append(job_id)
+        stack.wait_step(job_id, 2, args.deadline_s)
+        stack.pg.stop()
+        time.sleep(args.outage_s)  # the outage itself: nothing to wait for
+        stack.pg.start()
+        stack.wait_done([job_id], args.deadline_s)
+        r = _try(lambda j=job_id: stack.http.get(f"/v1/jobs/{j}/tensorboard"))
+        published += bool(r is not None and r.status_code == 200 and r.content)
+        events = stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []}
+        warnings.append(sum(e["level"] == "warning" for e in events["data"]))
+    _verdict(
+        stack,
+        "tracker_outage",
+        jobs,
+        args.deadline_s,
+        started,
+        outage_s=args.outage_s,
+        tensorboard_published=published,
+        warning_events=warnings,
+    )
+
+
+def scenario_drain_multigpu(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    started, jobs, requeued_with_checkpoint = time.monotonic(), [], 0
+    for _ in range(trials):
+        job_id = stack.submit(args.steps, resources={"gpus": 2})
+        jobs.append(job_id)
+        stack.wait_step(job_id, 2, args.deadline_s)
+        victim = stack.holder()
+        if victim is not None:
+            machine = victim.machine  # type: ignore[attr-defined]
+            victim.send_signal(signal.SIGTERM)  # a drain: warm shutdown
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                victim.wait(timeout=args.deadline_s)
+            if victim.poll() is None:
+                stack.kill(victim)
+            else:
+                stack.workers.remove(victim)
+            events = stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []}
+            requeued_with_checkpoint += any(
+                "worker shutting down" in e["message"] and (e.get("data") or {}).get("checkpoint_saved")
+                for e in events["data"]
+            )
+            stack.add_worker(machine)
+        stack.wait_done([job_id], args.deadline_s)
+    _verdict(
+        stack,
+        "drain_multigpu",
+        jobs,
+        args.deadline_s,
+        started,
+        requeued_with_checkpoint=requeued_with_checkpoint,
+    )
+
+
+def scenario_dataset_race(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    import threading
+
+    started = time.monotonic()
+    outcomes = {"orphaned": 0, "create_won": 0, "delete_won": 0, "other": 0}
+    for _ in range(trials):
+        r = stack.http.post("/v1/datasets", files={"file": ("toy.jsonl", Path(stack.dataset).read_bytes())})
+        r.raise_for_status()
+        ds = r.json()["id"]
+        spec = stack.spec(2, dataset={"path": None, "id": ds})
+        spec["dataset"].pop("path")
+        gate, answers = threading.Barrier(2), {}
+
+        def call(
+            name: str,
+            fn: Callable[[], httpx.Response],
+            gate: threading.Barrier = gate,
+            answers: dict[str, httpx.Response] = answers,
+        ) -> None:
+            gate.wait()  # both requests leave together
+            answers[name] = fn()
+
+        threads = [
+            threading.Thread(
+                target=call, args=("delete", lambda d=ds: stack.http.delete(f"/v1/datasets/{d}"))
+            ),
+            threading.Thread(
+                target=call, args=("create", lambda sp=spec: stack.http.post("/v1/jobs", json={"spec": sp}))
+            ),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        created, deleted = answers["create"].status_code == 201, answers["delete"].status_code == 200
+        if created and deleted:
+            outcomes["orphaned"] += 1
+        elif created and answers["delete"].status_code == 409:
+            outcomes["create_won"] += 1
+        elif deleted and answers["create"].status_code == 422:
+            outcomes["delete_won"] += 1
+        else:
+            outcomes["other"] += 1
+        if created:
+            stack.http.post(f"/v1/jobs/{answers['create'].json()['id']}/cancel")
+    emit(bench="chaos", scenario="dataset_race", trials=trials, **outcomes,
+         wall_s=round(time.monotonic() - started, 1))  # fmt: skip
+
+
 SCENARIOS = {
     "sigkill": scenario_sigkill,
     "pg_outage": scenario_pg_outage,
     "redis_jobs": scenario_redis_restart,
     "freeze": scenario_freeze,
     "cross_machine": scenario_cross_machine,
+    "tracker_outage": scenario_tracker_outage,
+    "drain_multigpu": scenario_drain_multigpu,
+    "dataset_race": scenario_dataset_race,
 }
 
 
@@ -400,6 +525,9 @@ def main() -> None:
     ap.add_argument("--redis-jobs", type=int, default=20)
     ap.add_argument("--freeze", type=int, default=3)
     ap.add_argument("--cross-machine", type=int, default=3)
+    ap.add_argument("--tracker-outage", type=int, default=2)
+    ap.add_argument("--drain-multigpu", type=int, default=3)
+    ap.add_argument("--dataset-race", type=int, default=30)
     ap.add_argument("--outage-s", type=float, default=60.0)
     ap.add_argument(
         "--steps", type=int, default=200, help="training steps per job (~15 steps/s on a free core)"
@@ -420,6 +548,9 @@ def main() -> None:
         "redis_jobs": args.redis_jobs,
         "freeze": args.freeze,
         "cross_machine": args.cross_machine,
+        "tracker_outage": args.tracker_outage,
+        "drain_multigpu": args.drain_multigpu,
+        "dataset_race": args.dataset_race,
     }
     try:
         for name, trials in counts.items():

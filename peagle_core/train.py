@@ -183,7 +183,12 @@ def train(
         run, progress = setup(
             spec, Path(out_dir), info, hooks, resume=resume, dataset_dir=dataset_dir, cache_dir=cache_dir
         )
-        return _train(run, progress)
+        result = _train(run, progress)
+        # gloo frees a finished collective on its own thread, which needs the GIL for the tensors it holds;
+        # a teardown that starts first (it holds the GIL while joining that thread) deadlocks. The barrier
+        # waits with the GIL released until every earlier collective is done and freed.
+        dist_utils.barrier(info)
+        return result
     finally:
         if run is not None and run.judge is not None:
             run.judge.close()

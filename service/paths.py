@@ -1,13 +1,15 @@
 """Which server-side paths a job spec may name: only those under operator-allowed roots.
 
 verifier.name_or_path (or a hub id when PEAGLE_ALLOW_HUB is on) and model.init_from must be directories under
-PEAGLE_ALLOWED_MODEL_ROOTS; dataset.path and hidden_states.cache_uri must lie under PEAGLE_ALLOWED_DATA_ROOTS,
-or under `PEAGLE_PROJECT_FILES_ROOT/<project id>/` for the owning project only. `file://` URIs are
-normalised to plain paths, `~` is refused (it would name the server's home), and symlinks and `..` are
-resolved before the check, so none of them can escape a root. The service's own state (data dir, local
-artifact store) is never reachable, except a project's own files area, and a cache directory may be
-neither a whole allowed root nor overlap another project's files. The API checks at create time and
-stores the normalised paths; the worker checks again against its current settings before it uses them.
+PEAGLE_ALLOWED_MODEL_ROOTS; dataset.path must lie under PEAGLE_ALLOWED_DATA_ROOTS, or under
+`PEAGLE_PROJECT_FILES_ROOT/<project id>/` for the owning project only. `file://` URIs are normalised to plain
+paths, `~` is refused (it would name the server's home), and symlinks and `..` are resolved before the check,
+so none of them can escape a root. The service's own state (data dir, local artifact store) is never
+reachable, except a project's own files area. hidden_states.cache_uri is written to, so it must lie inside
+the project's own files area (shared data roots are read by other projects), never be the area itself, and
+never be inside a model root or a directory holding a model (one project's shards in a model others load).
+The API checks at create time and stores the normalised paths; the worker checks again against its
+current settings before it uses them.
 """
 
 from __future__ import annotations
@@ -104,22 +106,74 @@ def _check_path(
     return resolved
 
 
+# What makes a directory a model (a verifier, a drafter checkpoint, a tokenizer): Hugging Face's config and
+# tokenizer files and safetensors weights. A hidden-state cache holds `manifest.json` and
+# `shard-NNNNN.safetensors` (peagle_core.cache), so its own shards do not count.
+_MODEL_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+    }
+)
+_CACHE_SHARD = re.compile(r"^shard-\d+\.safetensors$")
+# Listing a huge directory to find out is not worth it: a directory this big is no model's.
+_MAX_SCAN_ENTRIES = 10_000
+
+
+def holds_model(directory: Path) -> bool:
+    """Whether `directory` holds model files (config/tokenizer files or safetensors weights)."""
+    try:
+        with os.scandir(directory) as entries:
+            for n, entry in enumerate(entries):
+                if n >= _MAX_SCAN_ENTRIES:
+                    return False
+                name = entry.name
+                if name in _MODEL_FILES or (name.endswith(".safetensors") and not _CACHE_SHARD.match(name)):
+                    return True
+    except OSError:  # missing or unreadable: nothing a model could be loaded from
+        return False
+    return False
+
+
+def model_home(path: Path) -> Path | None:
+    """The nearest of `path` and its ancestors that holds a model, if any."""
+    for candidate in (path, *path.parents):
+        if holds_model(candidate):
+            return candidate
+    return None
+
+
 def _check_cache_dir(resolved: Path, settings: Settings, project_id: str | None, param: str) -> None:
-    # A cache directory is written to (and may be cleaned): never a whole shared root, never a directory
-    # holding other projects' files.
-    for root in settings.allowed_data_roots:
-        if resolved == Path(root).expanduser().resolve():
-            raise SpecError(
-                [(param, "the cache must be a sub-directory of an allowed root, not the root itself")]
-            )
-    files_root = Path(settings.project_files_root).resolve() if settings.project_files_root else None
+    # A cache directory is written to (and may be cleaned): only the project's own area, where no other
+    # project reads, and never anything a model is loaded from.
     own = _project_area(settings, project_id)
-    if files_root is not None and files_root.is_relative_to(resolved):
-        raise SpecError([(param, "the cache directory would contain other projects' files")])
-    if own is not None and resolved == own:
+    if own is None or not resolved.is_relative_to(own):
+        raise SpecError(
+            [
+                (
+                    param,
+                    "a cache directory must be inside this project's files area (PEAGLE_PROJECT_FILES_ROOT/"
+                    "<project>/), where no other project reads; omit it to use the service's cache store",
+                )
+            ]
+        )
+    if resolved == own:
         raise SpecError(
             [(param, "the cache must be a sub-directory of your files area, not the area itself")]
         )
+    for root in (Path(r).expanduser().resolve() for r in settings.allowed_model_roots):
+        if resolved.is_relative_to(root) or root.is_relative_to(resolved):
+            raise SpecError(
+                [(param, "the cache directory overlaps an allowed model root: models are read from there")]
+            )
+    if model_home(resolved) is not None:
+        raise SpecError([(param, "the cache directory is inside a directory holding a model")])
 
 
 def check_spec_paths(

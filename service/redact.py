@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# An absolute POSIX path, not part of a URL (`s3://b/k`), a relative path (`a/b`), a ratio (`3/10`) or an
-# already redacted `<server>/x` (errors are redacted where raised and again where stored).
-_ABS_PATH = re.compile(r"(?<![\w:/.~>-])/(?:[^\s/'\"`]+/)*([^\s/'\"`,;:)\]]+)")
+# An absolute POSIX path, not part of a URL (`s3://b/k`), a relative path (`a/b`, `./a`), a ratio (`3/10`)
+# or an already redacted `<server>/x` (errors are redacted where raised and again where stored). After a
+# dotted field path (`spec./srv/x`: a client's key in error.param) it is a path again.
+_ABS_PATH = re.compile(r"(?:(?<![\w:/.~>-])|(?<=\w\.))/(?:[^\s/'\"`]+/)*([^\s/'\"`,;:)\]]+)")
 
 
 def redact_paths(value: Any) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -73,7 +73,8 @@ class Settings(BaseSettings):
     )
     allowed_data_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
-        description="Server directories a spec's dataset.path and hidden_states.cache_uri may point into.",
+        description="Server directories a spec's dataset.path may point into (read by every project, so "
+        "never a cache's destination).",
     )
     project_files_root: Path | None = Field(
         default=None,
@@ -166,6 +167,12 @@ class Settings(BaseSettings):
         max_length=512,
         description="Key that signs web dashboard session cookies; default: a random one kept in "
         "<data_dir>/ui-secret (set it when several API processes share no data dir).",
+    )
+    ui_secure_cookie: bool | Literal["auto"] = Field(
+        default="auto",
+        description="The dashboard cookie's Secure flag: true, false, or auto (Secure unless the request is "
+        "https-less to a loopback host: localhost, 127.0.0.1, ::1). Behind a TLS-terminating proxy that "
+        "forwards plain HTTP, set true.",
     )
     ui_session_max_age_s: int = Field(
         default=12 * 3600, ge=60, le=30 * 24 * 3600, description="How long a dashboard sign-in lasts."

@@ -2,7 +2,10 @@
 
 Ranks are separate processes, so they talk to the database themselves: every rank polls the stop check
 (the trainer agrees on it across ranks), rank 0 writes metrics and events, and rank 0 hands the result
-back to the horse in a JSON file. The horse's own monitor keeps the job's heartbeat.
+back to the horse in a JSON file. The horse's own monitor keeps the job's heartbeat. A drain reaches the
+horse as PREEMPT_SIGNAL; the horse forwards it to every rank (each announces its pid in a file once its
+handler is installed, so no rank is killed by a signal it cannot handle yet), the ranks agree to stop, and
+rank 0 saves a checkpoint before it reports, exactly as a single-process job does.
 
 A job asking for more GPUs than the worker sees fails with `insufficient_gpus`. On a machine without
 GPUs, `PEAGLE_ALLOW_CPU_MULTIPROCESS=1` runs the ranks as CPU processes over gloo instead (for tests and
@@ -12,18 +15,23 @@ development; it is never what a real job wants).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
 from peagle_core.spec import JobSpec
 from service.settings import Settings
+from worker.cancel import PREEMPT_SIGNAL
 from worker.job_io import Outcome, error_for, event_recorder, setup_logging, write_event
 
 log = logging.getLogger(__name__)
@@ -61,10 +69,16 @@ def train_distributed(
     *,
     attempt: int,
     worker_name: str,
+    preempted: threading.Event | None = None,
 ) -> Outcome:
-    """Run `peagle_core.train.train` on `spec.resources.gpus` local ranks and return rank 0's outcome."""
+    """Run `peagle_core.train.train` on `spec.resources.gpus` local ranks and return rank 0's outcome.
+
+    Once `preempted` is set (the horse's PREEMPT_SIGNAL handler), the signal is forwarded to every rank."""
     result_path = out_dir / f"result-attempt{attempt}.json"
     result_path.unlink(missing_ok=True)
+    pid_dir = out_dir / f"ranks-attempt{attempt}"
+    shutil.rmtree(pid_dir, ignore_errors=True)
+    pid_dir.mkdir(parents=True)
     env = {
         **os.environ,
         "PEAGLE_DATABASE_URL": settings.database_url,
@@ -80,10 +94,32 @@ def train_distributed(
         "-m", "worker.multigpu",
         "--job-id", job_id, "--out-dir", str(out_dir), "--dataset-dir", str(dataset_dir),
         "--attempt", str(attempt), "--worker-name", worker_name, "--result", str(result_path),
+        "--pid-dir", str(pid_dir),
     ]  # fmt: skip
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
-    proc = subprocess.run(cmd, env=env, check=False)
+    proc = subprocess.Popen(cmd, env=env)
+    signalled: set[int] = set()
+    try:
+        while proc.poll() is None:
+            if preempted is None:
+                proc.wait()
+            elif preempted.is_set():
+                # Again each round: a rank that announced itself since the last round is told too.
+                signalled |= forward_signal(pid_dir, PREEMPT_SIGNAL, skip=signalled)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.5)
+            else:
+                preempted.wait(0.5)
+    except BaseException:
+        # The horse itself is going (a timeout, an interrupt): torchrun stops its ranks on SIGTERM.
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
     if not result_path.is_file():
         raise PeagleError(
             f"a training rank exited (torchrun status {proc.returncode}) before rank 0 reported a result; "
@@ -97,13 +133,60 @@ def train_distributed(
     return Outcome(**result)
 
 
+def forward_signal(pid_dir: Path, signum: int, *, skip: set[int]) -> set[int]:
+    """Send `signum` to every rank that announced its pid in `pid_dir` (but those in `skip`); returns the
+    pids signalled."""
+    sent = set()
+    for path in pid_dir.glob("rank-*.pid"):
+        try:
+            pid = int(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written (it is renamed into place): the next round reads it
+        if pid in skip:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+            log.info("forwarded signal %d to rank pid %d", signum, pid)
+        sent.add(pid)
+    return sent
+
+
+def listen_for_preemption(preempted: threading.Event) -> None:
+    """Set `preempted` when PREEMPT_SIGNAL arrives, without it ever interrupting another thread.
+
+    Call first thing in a rank, before any thread exists: the signal is blocked in this thread, so every
+    thread started later (gloo's, the data loader's) inherits the block and none of their blocking calls
+    is cut short by it (a gloo thread interrupted mid-receive can hang the group's teardown); one thread
+    takes it with sigwait. A thread that existed before still gets the Python handler, never the default
+    action (which would kill the rank)."""
+    signal.signal(PREEMPT_SIGNAL, lambda *_: preempted.set())
+    signal.pthread_sigmask(signal.SIG_BLOCK, {PREEMPT_SIGNAL})
+
+    def wait() -> None:
+        while True:
+            signal.sigwait({PREEMPT_SIGNAL})
+            preempted.set()
+
+    threading.Thread(target=wait, name="preempt-signal", daemon=True).start()
+
+
+def _announce(pid_dir: Path, rank: int) -> None:
+    tmp = pid_dir / f".rank-{rank}.tmp"
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(pid_dir / f"rank-{rank}.pid")
+
+
 def _rank_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    for name in ("--job-id", "--out-dir", "--dataset-dir", "--worker-name", "--result"):
+    for name in ("--job-id", "--out-dir", "--dataset-dir", "--worker-name", "--result", "--pid-dir"):
         parser.add_argument(name, required=True)
     parser.add_argument("--cache-dir")
     parser.add_argument("--attempt", type=int, required=True)
     args = parser.parse_args(argv)
+    # Before the imports below start any thread (torch, the database pool); announced once the trainer can
+    # act on it.
+    preempted = threading.Event()
+    listen_for_preemption(preempted)
 
     from peagle_core.train import train
     from service.crud.jobs import find_job
@@ -127,7 +210,11 @@ def _rank_main(argv: list[str] | None = None) -> int:
         f"rank {rank} of {world_size} started",
         {"kind": "rank", "rank": rank, "world_size": world_size, "pid": os.getpid()},
     )
-    monitor = JobMonitor(sessions, args.job_id, args.attempt, heartbeat_s=float("inf")).start()
+    monitor = JobMonitor(sessions, args.job_id, args.attempt, heartbeat_s=float("inf"))
+    # The horse forwards a drain's signal: stop at the next step with a checkpoint, like the horse would.
+    monitor.preempted = preempted
+    monitor.start()
+    _announce(Path(args.pid_dir), rank)
     # Only rank 0 reports: one set of metric rows, progress and events per job.
     progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt).start() if rank == 0 else None
     on_event = event_recorder(progress.add_event, on_stage=progress.set_stage) if progress else None

@@ -295,6 +295,7 @@ class JobRunner:
                 cache_dir,
                 attempt=job.attempt,
                 worker_name=self.worker_name,
+                preempted=monitor.preempted,
             )
         from peagle_core.train import train
 

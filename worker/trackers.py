@@ -3,7 +3,11 @@
 `JobTrackers` runs on its own thread beside the job: it tails the job's metric rows (the same rows the
 API serves, so a tracker holds exactly the API's values, on one path for single- and multi-GPU jobs) and
 forwards them to each tracker. A tracker that raises logs one warning event and is dropped for the rest of
-the job; it never fails the job.
+the job; it never fails the job. A database outage does not end the thread either: reads are retried for
+PEAGLE_DB_OUTAGE_TOLERANCE_S, a longer outage costs one warning event (written once the database is
+back) and the next poll catches up from the same cursor. Whatever happened, the trackers are closed at
+the end. Every write is fenced by the attempt: warning events, ending the MLflow run and publishing the
+TensorBoard files happen only while no newer attempt owns the job.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from service.crud.events import add_event
-from service.crud.jobs import holder
+from service.crud.jobs import hold_attempt, holder
 from service.crud.metrics import metrics_after
+from service.db.retry import retry_transient
 from service.settings import Settings
 from service.tracking import tensorboard_key
 from worker.usage import record as record_usage
@@ -33,7 +38,8 @@ log = logging.getLogger(__name__)
 _MLFLOW_PARAM_MAX = 6000
 _MLFLOW_BATCH = 1000
 _MLFLOW_PARAMS_BATCH = 100
-# MLflow's run statuses for our terminal job statuses; an unfinished job keeps its run open (it resumes).
+# MLflow's run statuses for our terminal job statuses. An attempt that ends without one (requeued by a drain,
+# or its status unreadable) ends the run KILLED; the attempt that resumes the job marks it RUNNING again.
 _MLFLOW_STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
 
 
@@ -75,8 +81,13 @@ class Tracker(Protocol):
     def log_checkpoint(self, path: Path) -> None:
         """The published checkpoint directory."""
 
-    def close(self, status: str | None) -> None:
-        """The job's status now (None if unknown); called once, last."""
+    def close(self, status: str | None, *, owner: bool) -> None:
+        """The job's status now (None if unknown); `owner`: no newer attempt owns the job (so its shared
+        state, e.g. the MLflow run, is this attempt's to end). Called once, last."""
+
+    def publish(self) -> None:
+        """Hand local files over to the artifact store (after `close`, only while the attempt owns the
+        job)."""
 
 
 class TensorBoardTracker:
@@ -104,8 +115,10 @@ class TensorBoardTracker:
     def log_checkpoint(self, path: Path) -> None:
         """TensorBoard holds no files; the checkpoint is in the service."""
 
-    def close(self, status: str | None) -> None:
+    def close(self, status: str | None, *, owner: bool) -> None:
         self.writer.close()
+
+    def publish(self) -> None:
         if self.store.local_path(self.key) is None:
             self.store.delete(self.key)
             self.store.publish_dir(self.log_dir, self.key)
@@ -134,6 +147,8 @@ class MlflowTracker:
         )
         if found:
             self.run_id = found[0].info.run_id
+            # An earlier attempt ended it (KILLED) when it was requeued; it is live again.
+            self.client.update_run(self.run_id, status="RUNNING")
             return
         run = self.client.create_run(
             experiment_id,
@@ -171,9 +186,12 @@ class MlflowTracker:
     def log_checkpoint(self, path: Path) -> None:
         self.client.log_artifacts(self.run_id, str(path), artifact_path="checkpoint")
 
-    def close(self, status: str | None) -> None:
-        if status in _MLFLOW_STATUS:
-            self.client.set_terminated(self.run_id, _MLFLOW_STATUS[status])
+    def close(self, status: str | None, *, owner: bool) -> None:
+        if owner:  # else a newer attempt logs to this run and ends it
+            self.client.set_terminated(self.run_id, _MLFLOW_STATUS.get(status or "", "KILLED"))
+
+    def publish(self) -> None:
+        """Everything is on the MLflow server already."""
 
 
 class JobTrackers:
@@ -204,6 +222,8 @@ class JobTrackers:
         self.trackers: list[Tracker] = []
         self._cursor: int | None = None
         self._checkpoint: Path | None = None
+        self._pending: list[tuple[str, dict[str, Any]]] = []  # warning events the database has not taken yet
+        self._warned_db = False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"trackers-{job_id}", daemon=True)
 
@@ -225,6 +245,9 @@ class JobTrackers:
 
     # -- the thread --------------------------------------------------------------------------------
 
+    def _db(self, fn: Any, what: str) -> Any:
+        return retry_transient(fn, tolerance_s=self.settings.db_outage_tolerance_s, what=what)
+
     def _open(self, name: str) -> Tracker:
         if name == "tensorboard":
             scratch = Path(self.settings.data_dir) / "scratch" / self.job_id
@@ -232,33 +255,42 @@ class JobTrackers:
         return MlflowTracker(self.settings, self.job_id, self.project_id, self.spec.model_dump(mode="json"))
 
     def _run(self) -> None:
-        for name in self.spec.tracking.report_to:
-            tracker = self._call(name, "start", lambda name=name: self._open(name))
-            if tracker is not None:
-                self.trackers.append(tracker)
-        while not self._done.wait(self.poll_s):
+        try:
+            for name in self.spec.tracking.report_to:
+                tracker = self._call(name, "start", lambda name=name: self._open(name))
+                if tracker is not None:
+                    self.trackers.append(tracker)
+            while not self._done.wait(self.poll_s):
+                self._poll()
+            self._poll()
+        finally:
+            self._close_all()
+
+    def _poll(self) -> None:
+        """Forward new rows and write pending warnings. An outage that outlasts the retries is noted (one
+        warning per attempt) and the next poll starts from the same cursor: no row is skipped."""
+        try:
             self._forward()
-        self._forward()
-        with self.sessions() as session:
-            row = holder(session, self.job_id)
-        status = row.status if row is not None else None
-        for tracker in list(self.trackers):
-            if self._checkpoint is not None and status == "succeeded":
-                self._call(
-                    tracker.name, "checkpoint upload", lambda t=tracker: t.log_checkpoint(self._checkpoint)
+        except Exception as exc:
+            log.warning("job %s: trackers could not read new metrics: %s", self.job_id, exc)
+            if not self._warned_db:
+                self._warned_db = True
+                self._warn(
+                    f"trackers could not read this job's metrics ({type(exc).__name__}: the database was "
+                    "unavailable); they catch up when it is back",
+                    {"tracker": "all", "action": "metrics", "error": type(exc).__name__},
                 )
-            if tracker in self.trackers:
-                self._call(tracker.name, "close", lambda t=tracker: t.close(status))
-        if "tensorboard" in self.spec.tracking.report_to:  # its event files count against the project
-            key = tensorboard_key(self.job_id)
-            self._call("tensorboard", "storage record", lambda: record_usage(
-                self.sessions, self.project_id, self.job_id, "tracker", key, self.store.size_under(key)))  # fmt: skip
+        self._flush_warnings()
 
     def _forward(self) -> None:
         """Send the attempt's metric rows logged since the last call to every live tracker."""
         while self.trackers:
-            with self.sessions() as session:
-                rows, more = metrics_after(session, self.job_id, self._cursor, 1000)
+
+            def read(cursor: int | None = self._cursor) -> tuple[list[Any], bool]:
+                with self.sessions() as session:
+                    return metrics_after(session, self.job_id, cursor, 1000)
+
+            rows, more = self._db(read, f"reading metrics of job {self.job_id} for its trackers")
             if not rows:
                 return
             self._cursor = rows[-1].id
@@ -272,6 +304,56 @@ class JobTrackers:
             if not more:
                 return
 
+    def _final_state(self) -> tuple[str | None, bool]:
+        """(the job's status, whether this attempt still owns it); (None, True) when unreadable: the
+        trackers are closed all the same, and the fenced steps (publishing) then refuse on their own."""
+
+        def read() -> Any:
+            with self.sessions() as session:
+                return holder(session, self.job_id)
+
+        try:
+            row = self._db(read, f"reading job {self.job_id}'s status for its trackers")
+        except Exception as exc:
+            log.warning("job %s: status unreadable when closing trackers: %s", self.job_id, exc)
+            return None, True
+        if row is None:
+            return None, False
+        return row.status, row.attempt == self.attempt
+
+    def _close_all(self) -> None:
+        status, owner = self._final_state()
+        for tracker in list(self.trackers):
+            if owner and self._checkpoint is not None and status == "succeeded":
+                self._call(
+                    tracker.name, "checkpoint upload", lambda t=tracker: t.log_checkpoint(self._checkpoint)
+                )
+            if tracker in self.trackers:
+                self._call(tracker.name, "close", lambda t=tracker: t.close(status, owner=owner))
+            if tracker in self.trackers and owner:
+                self._call(tracker.name, "publish", lambda t=tracker: self._publish(t))
+        if owner and "tensorboard" in self.spec.tracking.report_to:  # its event files count against the project
+            key = tensorboard_key(self.job_id)
+            self._call("tensorboard", "storage record", lambda: record_usage(
+                self.sessions, self.project_id, self.job_id, "tracker", key, self.store.size_under(key)))  # fmt: skip
+        self._flush_warnings()
+
+    def _publish(self, tracker: Tracker) -> None:
+        """`tracker.publish()` while the job row is locked on this attempt: a newer attempt's claim waits,
+        and a stale attempt never replaces the files of a newer one. (On SQLite the lock is the database's
+        write lock, held for the copy of a few event files.)"""
+
+        def publish() -> bool:
+            with self.sessions() as session:
+                if not hold_attempt(session, self.job_id, self.attempt):
+                    return False
+                tracker.publish()
+                session.commit()
+                return True
+
+        if not self._db(publish, f"publishing the {tracker.name} files of job {self.job_id}"):
+            log.info("job %s: a newer attempt owns it; %s files not published", self.job_id, tracker.name)
+
     def _call(self, name: str, action: str, fn: Any) -> Any:
         try:
             return fn()
@@ -279,14 +361,33 @@ class JobTrackers:
             log.warning("job %s: %s tracker failed during %s: %s", self.job_id, name, action, exc)
             self.trackers = [t for t in self.trackers if t.name != name]
             reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-            with self.sessions() as session:
-                add_event(
-                    session,
-                    self.job_id,
-                    "warning",
-                    f"{name} tracker failed during {action} and is off for the rest of this job: {reason}",
-                    level="warning",
-                    data={"tracker": name, "action": action, "error": type(exc).__name__},
-                )
-                session.commit()
+            self._warn(
+                f"{name} tracker failed during {action} and is off for the rest of this job: {reason}",
+                {"tracker": name, "action": action, "error": type(exc).__name__},
+            )
+            self._flush_warnings()
             return None
+
+    def _warn(self, message: str, data: dict[str, Any]) -> None:
+        self._pending.append((message, data))
+
+    def _flush_warnings(self) -> None:
+        """Write the pending warning events, each only if this attempt still owns the job (a stale one's
+        are dropped); while the database is down they stay pending for the next poll or the close."""
+        while self._pending:
+            message, data = self._pending[0]
+
+            def write(message: str = message, data: dict[str, Any] = data) -> bool:
+                with self.sessions() as session:
+                    if not hold_attempt(session, self.job_id, self.attempt):
+                        return False
+                    add_event(session, self.job_id, "warning", message, level="warning", data=data)
+                    session.commit()
+                    return True
+
+            try:
+                self._db(write, f"writing a tracker warning of job {self.job_id}")
+            except Exception as exc:
+                log.warning("job %s: tracker warning not written yet: %s", self.job_id, exc)
+                return
+            self._pending.pop(0)

@@ -20,6 +20,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from peagle_core.errors import PeagleError
+from service.redact import redact_paths
 
 log = logging.getLogger("peagle.api")
 
@@ -80,12 +81,14 @@ def not_found(kind: str, ident: str) -> ApiError:
 def envelope(
     status: int, message: str, *, code: str | None = None, param: str | None = None, type_: str | None = None
 ) -> dict[str, Any]:
+    # Every field a client reads is redacted here, once for all errors: a message or a param may echo a
+    # resolved server path (a symlink's target, a worker's directory), and a param may be a client's key.
     return {
         "error": {
             "type": type_ or _TYPES.get(status, "api_error"),
             "code": code or _CODES.get(status, "error"),
-            "message": message,
-            "param": param,
+            "message": redact_paths(message),
+            "param": redact_paths(param),
         }
     }
 

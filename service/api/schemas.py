@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from peagle_core.spec import JobSpec
+from service.redact import redact_paths
 
 JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 
@@ -91,6 +92,12 @@ class Job(_Out):
     finished_at: datetime | None
     cancel_requested_at: datetime | None
     updated_at: datetime
+
+    @field_validator("error")
+    @classmethod
+    def _redacted(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Stored errors are redacted when written; rows written before that are redacted on the way out.
+        return redact_paths(v)
 
 
 PlanStatus = Literal["queued", "running", "succeeded", "failed"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service.crud.pagination import newest_first_page
@@ -42,6 +42,33 @@ def add_dataset(
 
 def get_dataset(session: Session, project_id: str, dataset_id: str) -> Dataset | None:
     return session.scalar(select(Dataset).where(Dataset.id == dataset_id, Dataset.project_id == project_id))
+
+
+def lock_dataset(session: Session, project_id: str, dataset_id: str) -> Dataset | None:
+    """The dataset row, locked until the transaction ends, or None if it does not exist (any more).
+
+    A DELETE and a job create naming the dataset both take this lock first, so one of them sees the
+    other's commit: a job is never queued on a deleted dataset. Postgres locks the row; SQLite has no row
+    locks, so a no-op UPDATE takes its database write lock (pysqlite opens the transaction at that first
+    write, so what is read after it is current). Lock order: the dataset before the project row."""
+    if session.get_bind().dialect.name == "sqlite":
+        session.execute(
+            update(Dataset)
+            .where(Dataset.id == dataset_id, Dataset.project_id == project_id)
+            .values(id=Dataset.id)
+            .execution_options(synchronize_session=False)
+        )
+        return session.scalar(
+            select(Dataset)
+            .where(Dataset.id == dataset_id, Dataset.project_id == project_id)
+            .execution_options(populate_existing=True)
+        )
+    return session.scalar(
+        select(Dataset)
+        .where(Dataset.id == dataset_id, Dataset.project_id == project_id)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
 
 
 def delete_dataset(session: Session, dataset_id: str) -> None:

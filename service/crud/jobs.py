@@ -71,6 +71,19 @@ def hold(session: Session, job_id: str, attempt: int) -> bool:
     return _update_if_held(session, job_id, attempt, updated_at=db_now_sql(session))
 
 
+def hold_attempt(session: Session, job_id: str, attempt: int) -> bool:
+    """Lock the job row if `attempt` is still its newest attempt, whatever its status (the caller commits).
+    For what a worker does after the job's final status is written (closing its trackers): a claim of a
+    newer attempt waits for this transaction, and False means a newer attempt owns the job's outputs."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.attempt == attempt)
+        .values(attempt=Job.attempt)
+        .execution_options(synchronize_session=False)
+    )
+    return result.rowcount == 1
+
+
 def set_progress(session: Session, job_id: str, progress: dict[str, Any], *, attempt: int) -> bool:
     """Replace the job's progress (stage, step, total_steps, eta_s) if `attempt` still holds it, which
     also fences the caller's inserts as `hold` does (the caller commits). False: not ours any more."""

@@ -17,6 +17,7 @@ from sqlalchemy.orm.util import identity_key
 from service.crud.clock import db_now_sql
 from service.crud.events import add_event
 from service.db.models import JOB_STATUSES, TERMINAL_STATUSES, Job
+from service.redact import redact_paths
 
 # from-status -> statuses it may move to.
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -91,6 +92,9 @@ def transition(
         raise IllegalTransition(f"a job cannot go from {sorted(bad)} to {to!r}")
     if not expected:
         return False
+    if isinstance(fields.get("error"), dict):
+        # A stored error is read by the project: no server path in its message, nor in its param.
+        fields["error"] = redact_paths(fields["error"])
     now = db_now_sql(session)
     stamp = _STAMPS[to]
     values: dict[str, Any] = {"status": to, "updated_at": now, **fields}

@@ -112,3 +112,18 @@ def live_key(session: Session, key: str) -> ApiKey | None:
 def live_key_by_id(session: Session, key_id: str) -> ApiKey | None:
     """An unrevoked key by its id (a dashboard session names its key, and ends when the key is revoked)."""
     return session.scalar(select(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)))
+
+
+def session_nonce(session: Session, key: ApiKey) -> str:
+    """The key's dashboard session nonce, made on first use (the caller commits)."""
+    if key.session_nonce is None:
+        key.session_nonce = secrets.token_urlsafe(24)
+    return key.session_nonce
+
+
+def end_sessions(session: Session, key_id: str) -> None:
+    """Sign the key out of the dashboard everywhere: a new nonce invalidates every cookie issued for it,
+    copies included (the caller commits)."""
+    key = session.get(ApiKey, key_id)
+    if key is not None:
+        key.session_nonce = secrets.token_urlsafe(24)

@@ -106,6 +106,9 @@ class ApiKey(Base):
     prefix: Mapped[str] = mapped_column(String(24), doc="First characters of the key, for display.")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # Dashboard sessions of this key carry it in their cookie; signing out replaces it, so a copied
+    # cookie ends with the sign-out (NULL: no session was ever started).
+    session_nonce: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Dataset(Base):

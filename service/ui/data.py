@@ -53,7 +53,7 @@ def metrics(
     job_id: str,
     db: DB,
     project: UiProject,
-    after: Annotated[int | None, Query(ge=0)] = None,
+    after: Annotated[int | None, Query(ge=0, le=jobs_api.MAX_ROW_ID)] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
 ) -> MetricPage:
     """The API's metric series plus the last row id even on the last page, so a live chart asks only
@@ -72,7 +72,7 @@ def events(
     sessions: Sessions,
     settings: AppSettings,
     project: UiProject,
-    after: Annotated[int | None, Query(ge=0)] = None,
+    after: Annotated[int | None, Query(ge=0, le=jobs_api.MAX_ROW_ID)] = None,
     last_event_id: Annotated[str | None, Header(max_length=32)] = None,
 ):
     """JSON page, or with `Accept: text/event-stream` (an EventSource) the live stream until the job ends."""

@@ -21,9 +21,9 @@ from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
 from service.crud import events as events_crud
 from service.crud import jobs as jobs_crud
-from service.crud.projects import live_key
+from service.crud.projects import end_sessions, live_key, session_nonce
 from service.ui import editor, views
-from service.ui.session import Session, UiProject, UiSession, check_csrf, save_session
+from service.ui.session import Session, UiProject, UiSession, check_csrf, save_session, secure_cookie
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
@@ -72,17 +72,34 @@ def login(
             next=_safe_next(next),
             error="That API key is unknown or revoked.",
         )
+    nonce = session_nonce(db, key)
+    db.commit()
     response = RedirectResponse(_safe_next(next), status_code=303)
     # A new token at sign-in: a token seen before it is worth nothing afterwards.
-    save_session(request, response, UiSession(key_id=key.id, csrf=secrets.token_urlsafe(32), fresh=False))
+    save_session(
+        request,
+        response,
+        UiSession(key_id=key.id, csrf=secrets.token_urlsafe(32), fresh=False, nonce=nonce),
+    )
     return response
 
 
 @router.post("/logout")
-def logout(session: Session, csrf_token: CsrfField) -> Response:
+def logout(request: Request, session: Session, db: DB, csrf_token: CsrfField) -> Response:
     check_csrf(session, csrf_token)
+    if session.key_id:
+        # Server side: every cookie of this key, a copied one included, stops being a session.
+        end_sessions(db, session.key_id)
+        db.commit()
     response = RedirectResponse("/ui/login", status_code=303)
-    response.delete_cookie("peagle_session", path="/ui")
+    settings = request.app.state.settings
+    response.delete_cookie(
+        "peagle_session",
+        path="/ui",
+        httponly=True,
+        samesite="strict",
+        secure=secure_cookie(request, settings.ui_secure_cookie),
+    )
     return response
 
 
@@ -209,6 +226,7 @@ def new_job(
                 idempotency_key or None,
             )
         except ApiError as exc:
+            db.rollback()  # the create's locks (its dataset row) end here, not after the page renders
             errors = editor.errors_at_lines(spec_yaml, [(exc.param or "", exc.message)])
         else:
             return RedirectResponse(f"/ui/jobs/{job.id}", status_code=303)

@@ -1,14 +1,17 @@
 """Dashboard sign-in: a signed, HttpOnly, SameSite=Strict cookie naming the API key, and CSRF tokens.
 
-The cookie holds the key's id (never the key) and a CSRF token, signed with itsdangerous; every request
-re-reads the key, so revoking it ends its sessions. A visitor who is not signed in still gets a cookie
-with a token, so the sign-in form itself is CSRF-protected.
+The cookie holds the key's id (never the key), the key's session nonce and a CSRF token, signed with
+itsdangerous; every request re-reads the key, so revoking it ends its sessions, and signing out replaces
+the nonce, so a copied cookie ends too. The cookie is Secure per PEAGLE_UI_SECURE_COOKIE (auto: everywhere
+but plain HTTP to a loopback host). A visitor who is not signed in still gets a cookie with a token, so
+the sign-in form itself is CSRF-protected.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import os
 import secrets
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ class UiSession:
     key_id: str | None
     csrf: str
     fresh: bool  # not read from a valid cookie: the response must set it
+    nonce: str | None = None  # the key's session nonce when the cookie was issued
 
 
 def _secret(settings: Settings) -> str:
@@ -76,7 +80,7 @@ def get_session(request: Request, settings: AppSettings) -> UiSession:
         try:
             data = _serializer(request).loads(raw, max_age=settings.ui_session_max_age_s)
             if isinstance(data, dict) and isinstance(data.get("c"), str):
-                return UiSession(key_id=data.get("k"), csrf=data["c"], fresh=False)
+                return UiSession(key_id=data.get("k"), csrf=data["c"], fresh=False, nonce=data.get("n"))
         except BadSignature:
             pass
     return UiSession(key_id=None, csrf=secrets.token_urlsafe(32), fresh=True)
@@ -85,17 +89,38 @@ def get_session(request: Request, settings: AppSettings) -> UiSession:
 Session = Annotated[UiSession, Depends(get_session)]
 
 
+def _loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def secure_cookie(request: Request, setting: bool | str) -> bool:
+    """Whether the session cookie is Secure: the operator's choice, or on `auto` everywhere but plain HTTP
+    to a loopback host (a local `peagle up`); a TLS proxy forwarding plain HTTP under a public name gets
+    Secure cookies too."""
+    if isinstance(setting, bool):
+        return setting
+    return request.url.scheme == "https" or not _loopback(request.url.hostname)
+
+
 def save_session(request: Request, response: Response, session: UiSession) -> None:
-    """Set the cookie for `session` on `response` (HttpOnly, SameSite=Strict, Secure over https)."""
-    value = _serializer(request).dumps({"k": session.key_id, "c": session.csrf})
+    """Set the cookie for `session` on `response` (HttpOnly, SameSite=Strict, Secure per `secure_cookie`)."""
+    value = _serializer(request).dumps({"k": session.key_id, "c": session.csrf, "n": session.nonce})
+    settings = request.app.state.settings
     response.set_cookie(
         COOKIE,
         value,
-        max_age=request.app.state.settings.ui_session_max_age_s,
+        max_age=settings.ui_session_max_age_s,
         path="/ui",
         httponly=True,
         samesite="strict",
-        secure=request.url.scheme == "https",
+        secure=secure_cookie(request, settings.ui_secure_cookie),
     )
 
 
@@ -106,7 +131,11 @@ def current_project(request: Request, session: Session, db: DB) -> Project:
     accounting in the REST routes the dashboard calls sees the same key.
     """
     key = live_key_by_id(db, session.key_id) if session.key_id else None
-    project = get_project(db, key.project_id) if key is not None else None
+    # A cookie from before the key's last sign-out (or without a nonce) is no session.
+    signed_out = key is None or not session.nonce or key.session_nonce is None
+    if not signed_out and not hmac.compare_digest(session.nonce or "", key.session_nonce or ""):
+        signed_out = True
+    project = get_project(db, key.project_id) if key is not None and not signed_out else None
     if key is None or project is None:
         raise NotSignedIn()
     request.state.key_hash = key.key_hash

@@ -84,3 +84,84 @@ def test_long_or_deeply_nested_lines_are_422_naming_the_line(make_settings, auth
         assert r.status_code == 422, r.text
         assert "line 4: JSON nested too deeply" in r.json()["error"]["message"]
     assert _artifact_files(settings) == []
+
+
+class _Waiter:
+    """Notes when a thread other than the test's issues a statement that takes (or waits for) a lock."""
+
+    def __init__(self, engine) -> None:
+        import threading
+
+        self.engine, self.main, self.seen = engine, threading.get_ident(), threading.Event()
+
+    def __enter__(self) -> _Waiter:
+        from sqlalchemy import event
+
+        event.listen(self.engine, "before_cursor_execute", self._check)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from sqlalchemy import event
+
+        event.remove(self.engine, "before_cursor_execute", self._check)
+
+    def _check(self, _conn, _cursor, statement: str, *_args) -> None:
+        import threading
+
+        words = statement.lstrip().split(None, 1)
+        locking = "FOR UPDATE" in statement or (words and words[0].upper() in ("UPDATE", "DELETE", "INSERT"))
+        if threading.get_ident() != self.main and locking:
+            self.seen.set()
+
+
+def _in_thread(fn):
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return future
+
+
+def test_dataset_delete_and_job_create_are_serialised(client, auth, spec, settings, db_url) -> None:
+    """A DELETE racing a job create on the same dataset: whichever holds the dataset's lock first wins, and
+    the other sees its commit, so no queued job is ever left on a deleted dataset (both databases)."""
+    from service.artifacts import ArtifactStore
+    from service.crud import datasets as datasets_crud
+    from service.crud.jobs import create_job as crud_create_job
+    from service.crud.projects import project_for_key
+    from service.db.session import get_engine, session_factory
+    from service.lifecycle import delete_dataset
+
+    sessions = session_factory(db_url)
+    with sessions() as s:
+        project_id = project_for_key(s, auth["Authorization"].split()[1]).id
+
+    def upload() -> str:
+        r = client.post("/v1/datasets", files={"file": ("chat.jsonl", GOOD)}, headers=auth)
+        assert r.status_code == 201, r.text
+        return r.json()["id"]
+
+    # A create holds the lock (its job not committed yet): the DELETE waits, then sees the job: 409.
+    ds = upload()
+    body = {**spec, "dataset": {"id": ds, "seq_len": 64}}
+    with sessions() as create, _Waiter(get_engine(db_url)) as waiter:
+        assert datasets_crud.lock_dataset(create, project_id, ds) is not None
+        crud_create_job(create, project_id, body, max_attempts=3)
+        deleting = _in_thread(lambda: client.delete(f"/v1/datasets/{ds}", headers=auth))
+        assert waiter.seen.wait(60), "the DELETE never reached its lock"
+        create.commit()
+        r = deleting.result(timeout=60)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "dataset_in_use", r.text
+
+    # A DELETE holds the lock (the row gone but not committed): the create waits, then finds no dataset.
+    ds = upload()
+    body = {**spec, "dataset": {"id": ds, "seq_len": 64}}
+    with sessions() as deleter, _Waiter(get_engine(db_url)) as waiter:
+        row = datasets_crud.lock_dataset(deleter, project_id, ds)
+        delete_dataset(deleter, ArtifactStore(settings.artifact_root), row)
+        creating = _in_thread(lambda: client.post("/v1/jobs", json={"spec": body}, headers=auth))
+        assert waiter.seen.wait(60), "the create never reached its lock"
+        deleter.commit()
+        r = creating.result(timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "spec.dataset.id", r.text

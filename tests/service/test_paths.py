@@ -79,17 +79,68 @@ def test_service_state_and_other_projects_are_unreachable(paths_settings, tmp_pa
         )
 
     (tmp_path / "shared").mkdir()
-    assert "not the root itself" in cache(tmp_path / "shared")
+    assert "files area" in cache(tmp_path / "shared")  # a shared data root: other projects read there
+    assert "files area" in cache(tmp_path / "shared" / "sub")
     assert "service's own data" in cache(tmp_path)  # it would contain the data dir
     assert "outside this project's own directory" in cache(tmp_path / "projects")
     assert "outside this project's own directory" in cache(tmp_path / "projects" / "proj_a", "proj_b")
     assert "not the area itself" in cache(tmp_path / "projects" / "proj_a")
     assert "service's own data" in cache(data_dir / "artifacts" / "checkpoints")
-    ok = {
-        **_spec(model, path=str(own)),
-        "hidden_states": {"cache_uri": str(tmp_path / "projects" / "proj_a" / "c")},
-    }
-    assert _check(paths_settings, ok).hidden_states.cache_uri.endswith("proj_a/c")
+
+
+@pytest.fixture
+def cache_settings(make_settings, tmp_path: Path):
+    # Models, shared data and per-project files side by side, as an operator lays them out.
+    for d in ("models", "shared", "projects"):
+        (tmp_path / d).mkdir()
+    # One model root inside a project's area: whatever is there, other projects may load it.
+    (tmp_path / "projects" / "proj_a" / "published").mkdir(parents=True)
+    return make_settings(
+        allowed_data_roots=[tmp_path / "shared"],
+        allowed_model_roots=[tmp_path / "models", tmp_path / "projects" / "proj_a" / "published"],
+        project_files_root=tmp_path / "projects",
+    )
+
+
+@pytest.mark.parametrize("marker", ["config.json", "tokenizer.json", "model-00001-of-00002.safetensors"])
+def test_a_cache_never_lands_in_a_model(cache_settings, tmp_path: Path, marker: str) -> None:
+    """No project writes where another reads: a cache inside a model root, or inside any directory that
+    holds a model (its files in the directory or an ancestor), is refused naming the field."""
+    model = tmp_path / "models" / "v"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "shared" / "chat.jsonl"
+    data.write_text("{}\n")
+    area = tmp_path / "projects" / "proj_a"
+
+    def cache(uri: Path) -> str:
+        return _param(
+            cache_settings, {**_spec(model, path=str(data)), "hidden_states": {"cache_uri": str(uri)}}
+        )
+
+    assert cache(model).startswith("spec.hidden_states.cache_uri: ")  # a verifier is nobody's cache
+    assert "model root" in cache(area / "published" / "cache")
+    assert "model root" in cache(area / "published")
+    # A model the project keeps in its own area (e.g. to use as init_from elsewhere) is no cache either.
+    own_model = area / "m"
+    (own_model / "sub").mkdir(parents=True)
+    (own_model / marker).write_text("{}")
+    assert "holding a model" in cache(own_model)
+    assert "holding a model" in cache(own_model / "sub" / "cache")
+    # A cache directory that already holds its own shards is fine (a rerun reuses it).
+    filled = area / "hs"
+    filled.mkdir()
+    (filled / "manifest.json").write_text("{}")
+    (filled / "shard-00000.safetensors").write_bytes(b"")
+    ok = {**_spec(model, path=str(data)), "hidden_states": {"cache_uri": f"file://{filled}"}}
+    assert _check(cache_settings, ok).hidden_states.cache_uri == str(filled)
+
+
+def test_the_api_refuses_a_cache_in_the_verifier_with_422(client, auth, spec) -> None:
+    body = {**spec, "hidden_states": {"cache_uri": spec["verifier"]["name_or_path"] + "/cache"}}
+    r = client.post("/v1/jobs", json={"spec": body}, headers=auth)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "spec.hidden_states.cache_uri"
 
 
 def test_api_stores_normalised_paths(client, auth, spec) -> None:

@@ -31,7 +31,7 @@ def sign_in(client: Any, key: str) -> None:
 def other_client(app: Any, redis_conn: Any) -> Any:
     from fastapi.testclient import TestClient
 
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with TestClient(app, base_url="http://localhost", raise_server_exceptions=False) as c:
         yield c
 
 
@@ -71,6 +71,44 @@ def test_sign_in_sets_a_strict_httponly_cookie_and_checks_csrf(client, api_key) 
     r = client.post("/ui/logout", data={"csrf_token": csrf_of(client, "/ui/")}, follow_redirects=False)
     assert r.status_code == 303
     assert client.get("/ui/", headers=HTML, follow_redirects=False).status_code == 303
+
+
+def test_sign_out_ends_a_copied_cookie(client, other_client, api_key) -> None:
+    """The key's session nonce is rotated server-side at sign-out: a cookie copied before it (another
+    browser, a stolen copy) is no session afterwards, though its signature is still valid."""
+    sign_in(client, api_key)
+    copied = client.cookies.get("peagle_session")
+    other_client.cookies.set("peagle_session", copied)
+    assert other_client.get("/ui/", headers=HTML, follow_redirects=False).status_code == 200
+    r = client.post("/ui/logout", data={"csrf_token": csrf_of(client, "/ui/")}, follow_redirects=False)
+    assert r.status_code == 303
+    assert other_client.get("/ui/", headers=HTML, follow_redirects=False).status_code == 303
+    assert other_client.get("/ui/data/jobs/job_x/metrics").status_code == 401
+    sign_in(client, api_key)  # signing in again works, with the new nonce
+    assert client.get("/ui/", headers=HTML, follow_redirects=False).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("setting", "base_url", "secure"),
+    [
+        ("auto", "http://localhost", False),
+        ("auto", "http://127.0.0.1:8000", False),
+        ("auto", "http://[::1]:8000", False),
+        ("auto", "http://peagle.example.com", True),  # e.g. behind a TLS proxy that forwards plain HTTP
+        ("auto", "https://localhost", True),
+        ("false", "http://peagle.example.com", False),
+        ("true", "http://localhost", True),
+    ],
+)
+def test_the_cookie_is_secure_outside_localhost(make_settings, redis_conn, setting, base_url, secure) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    app = create_app(make_settings(ui_secure_cookie=setting))
+    with TestClient(app, base_url=base_url) as c:
+        cookie = c.get("/ui/login").headers["set-cookie"]
+    assert ("; secure" in cookie.lower()) is secure, cookie
 
 
 def test_a_tampered_cookie_is_not_a_session(client, api_key) -> None:

@@ -346,3 +346,34 @@ def test_more_gpus_than_the_worker_has_fails_clearly(
     assert job.error["param"] == "resources.gpus"
     assert "sees 0 GPU(s)" in job.error["message"]
     assert stack.checkpoints(job_id) == []
+
+
+def test_worker_shutdown_checkpoints_and_requeues_a_two_rank_job(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    """A drain reaches the torchrun ranks too: the horse forwards its signal, rank 0 saves a checkpoint and
+    the job is handed back, as a single-process job is."""
+    import signal
+
+    stack.env.update(PEAGLE_ALLOW_CPU_MULTIPROCESS="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    spec = toy_spec(
+        toy_verifier_dir,
+        toy_dataset_path,
+        resources={"gpus": 2},
+        training={"max_steps": 500, "checkpoint_every_steps": 1000, "epochs": 50},
+    )
+    job_id = stack.submit(spec)
+    worker = stack.worker()
+    stack.wait_for(
+        "training steps", lambda: (stack.job(job_id).progress or {}).get("step", 0) >= 2, timeout=400
+    )
+    worker.send_signal(signal.SIGTERM)  # what a supervisor or a node drain sends
+    assert worker.wait(timeout=180) == 0
+    stack.procs.remove(worker)
+
+    job = stack.job(job_id)
+    assert job.status == "queued", (job.error, [e.message for e in stack.events(job_id)])
+    (event,) = [e for e in stack.events(job_id) if "worker shutting down" in e.message]
+    saved = event.data["step"]
+    assert 2 <= saved < 500 and event.data["checkpoint_saved"] is True
+    assert stop_checkpoint(stack, job_id).endswith(f"{saved:08d}")

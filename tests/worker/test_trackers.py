@@ -10,8 +10,11 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,3 +148,148 @@ def test_a_tracker_outage_leaves_the_job_succeeded_with_one_warning(
     from service.tracking import tensorboard_key
 
     assert ArtifactStore(stack.settings.artifact_root).list_files(tensorboard_key(job_id))
+
+
+def _claimed_job(sessions, report_to: list[str]) -> tuple[str, str, Any]:
+    """A job row claimed as attempt 1 (no worker runs it: the test drives its trackers in this process)."""
+    from peagle_core.spec import JobSpec
+    from service.crud import jobstate
+    from service.crud.jobs import create_job
+    from service.crud.projects import get_or_create_project
+
+    spec = toy_spec(Path("/models/v"), Path("/data/d.jsonl"), tracking={"report_to": report_to})
+    with sessions() as s:
+        project_id = get_or_create_project(s, f"trackers-{uuid.uuid4().hex[:8]}").id
+        job_id = create_job(s, project_id, spec, max_attempts=3).id
+        s.commit()
+        assert jobstate.claim(s, job_id, "test-worker")
+        s.commit()
+    return job_id, project_id, JobSpec.model_validate(spec)
+
+
+def _log_steps(sessions, job_id: str, steps: range, attempt: int = 1) -> int:
+    from service.crud.metrics import add_metrics
+
+    with sessions() as s:
+        rows = [add_metrics(s, job_id, step, {"loss": 1.0 / step, "attempt": attempt}) for step in steps]
+        s.commit()
+        return rows[-1].id
+
+
+def _until(what: str, cond: Any, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _tensorboard_steps(store: Any, job_id: str, dest: Path) -> list[int]:
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from service.tracking import tensorboard_key
+
+    store.fetch_dir(tensorboard_key(job_id), dest)
+    acc = event_accumulator.EventAccumulator(str(dest), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars("loss")]
+
+
+def test_trackers_ride_out_a_database_outage_and_are_always_closed(
+    mlflow_server: str, make_settings: Any, tmp_path: Path
+) -> None:
+    """The tracker thread survives Postgres going away: one warning event, no metric row lost, the MLflow
+    run ended and the TensorBoard files published (to a remote store, fenced by the attempt)."""
+    from mlflow import MlflowClient
+    from sqlalchemy import select
+
+    from service.artifacts import ArtifactStore
+    from service.crud import jobstate
+    from service.db.migrate import upgrade
+    from service.db.models import JobEvent
+    from service.db.session import dispose_engines, session_factory
+    from tests.fixtures.pg_cluster import PrivatePostgres, postgres_bindir
+    from worker.trackers import JobTrackers
+
+    bindir = postgres_bindir()
+    if bindir is None:
+        pytest.skip("no Postgres server binaries (initdb, pg_ctl) on this machine")
+    pg = PrivatePostgres(bindir)
+    try:
+        upgrade(pg.url)
+        settings = make_settings(
+            database_url=pg.url, db_outage_tolerance_s=1.0, mlflow_tracking_uri=mlflow_server
+        )
+        sessions = session_factory(pg.url)
+        store = ArtifactStore(f"memory://trackers-{uuid.uuid4().hex[:8]}")  # remote: files are published
+        job_id, project_id, spec = _claimed_job(sessions, ["tensorboard", "mlflow"])
+        last = _log_steps(sessions, job_id, range(1, 6))
+        trackers = JobTrackers(settings, sessions, store, job_id, project_id, 1, spec, poll_s=0.2).start()
+        _until("the first rows forwarded", lambda: trackers._cursor == last)
+
+        pg.stop()
+        _until("the outage to outlast the retries", lambda: trackers._warned_db)
+        assert trackers._thread.is_alive()
+        pg.start()
+        last = _log_steps(sessions, job_id, range(6, 11))
+        _until("the thread to catch up", lambda: trackers._cursor == last and not trackers._pending)
+        with sessions() as s:
+            assert jobstate.transition(s, job_id, "succeeded", expect=("running",), fence=1, event="done")
+        trackers.finish()
+        assert not trackers._thread.is_alive()
+
+        with sessions() as s:
+            warnings = s.scalars(
+                select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.level == "warning")
+            ).all()
+        assert len(warnings) == 1, [w.message for w in warnings]
+        assert warnings[0].data["action"] == "metrics" and "database" in warnings[0].message
+        ml = MlflowClient(tracking_uri=mlflow_server)
+        experiment = ml.get_experiment_by_name("peagle")
+        (run,) = ml.search_runs(
+            [experiment.experiment_id], filter_string=f"tags.`peagle.job_id` = '{job_id}'"
+        )
+        assert run.info.status == "FINISHED"
+        assert sorted(m.step for m in ml.get_metric_history(run.info.run_id, "loss")) == list(range(1, 11))
+        assert _tensorboard_steps(store, job_id, tmp_path / "tb") == list(range(1, 11))
+    finally:
+        dispose_engines()
+        pg.close()
+
+
+def test_a_stale_attempts_trackers_write_nothing(
+    make_settings: Any, monkeypatch: Any, tmp_path: Path
+) -> None:
+    """Tracker warnings and the TensorBoard publish are fenced by the attempt: once the job was claimed
+    again, the old attempt's trackers close without a trace; the new attempt's land."""
+    from sqlalchemy import select
+
+    from service.artifacts import ArtifactStore
+    from service.crud import jobstate
+    from service.db.models import JobEvent
+    from service.db.session import session_factory
+    from service.tracking import tensorboard_key
+    from worker.trackers import JobTrackers
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the refused connection fails at once
+    settings = make_settings(mlflow_tracking_uri=f"http://127.0.0.1:{free_port()}")
+    sessions = session_factory(settings.database_url)
+    store = ArtifactStore(f"memory://trackers-{uuid.uuid4().hex[:8]}")
+    job_id, project_id, spec = _claimed_job(sessions, ["tensorboard", "mlflow"])
+    _log_steps(sessions, job_id, range(1, 4))
+    with sessions() as s:  # the reconciler took the job back and another worker claimed it
+        assert jobstate.transition(s, job_id, "queued", expect=("running",), fence=1, event="requeued")
+        assert jobstate.claim(s, job_id, "other-worker")
+        s.commit()
+
+    def run(attempt: int) -> list[Any]:
+        trackers = JobTrackers(settings, sessions, store, job_id, project_id, attempt, spec, poll_s=0.1)
+        trackers.start().finish()
+        with sessions() as s:
+            return list(
+                s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.level == "warning"))
+            )
+
+    assert run(1) == [] and store.list_files(tensorboard_key(job_id)) == []
+    (warning,) = run(2)  # the owner's failure is reported, its files published
+    assert warning.data == {"tracker": "mlflow", "action": "start", "error": warning.data["error"]}
+    assert store.list_files(tensorboard_key(job_id))

@@ -206,7 +206,8 @@ def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dat
     description="A dataset that a queued or running job will read answers 409 naming the job.",
 )
 def delete_dataset(dataset_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
-    row = crud.get_dataset(db, project.id, dataset_id)
+    # Locked before the in-use check: a job create naming it waits, then finds it gone (or we see its job).
+    row = crud.lock_dataset(db, project.id, dataset_id)
     if row is None:
         raise not_found("dataset", dataset_id)
     if users := jobs_using_dataset(db, project.id, dataset_id):

@@ -34,6 +34,7 @@ log = logging.getLogger("peagle.api")
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 _ERRORS = schemas.error_responses(401, 404, 422)
+MAX_ROW_ID = (1 << 63) - 1  # event and metric ids are BIGINTs: a larger cursor is a 422, not an overflow
 
 
 def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
@@ -77,7 +78,8 @@ def create_job(
             code="tracker_unavailable",
             param="spec.tracking.report_to",
         )
-    if spec.dataset.id is not None and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
+    # Locked until the commit: a concurrent DELETE of the dataset waits, then sees this job (409).
+    if spec.dataset.id is not None and datasets_crud.lock_dataset(db, project.id, spec.dataset.id) is None:
         raise ApiError(
             422, f"no dataset with id {spec.dataset.id!r}", code="dataset_not_found", param="spec.dataset.id"
         )
@@ -245,15 +247,16 @@ def job_events(
     sessions: Sessions,
     settings: AppSettings,
     project: CurrentProject,
-    after: Annotated[int | None, Query(ge=0, description="Only events with a larger id.")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=MAX_ROW_ID, description="Only events with a larger id.")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> schemas.EventList | StreamingResponse:
     _job_or_404(db, project.id, job_id)
     if "text/event-stream" in request.headers.get("accept", ""):
-        start = after
-        if last_event_id and last_event_id.strip().isdigit():
-            start = int(last_event_id.strip())
+        resume = last_event_id_of(last_event_id)
+        start = after if resume is None else resume
         key_hash: str = request.state.key_hash
         slots: StreamSlots = request.app.state.streams
         slots.acquire(key_hash)
@@ -265,6 +268,23 @@ def job_events(
         )
     rows, has_more = events_crud.events_after(db, job_id, after, limit)
     return schemas.EventList.of(rows, has_more)
+
+
+def last_event_id_of(value: str | None) -> int | None:
+    """The event id a reconnecting EventSource resumes after (the `id:` we sent it), or None when the header
+    is absent or blank; anything but a row id is a 422 naming the header."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    # ASCII digits only: str.isdigit() also accepts "²", which int() refuses.
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= MAX_ROW_ID):
+        raise ApiError(
+            422,
+            "Last-Event-ID must be the id of an event (a non-negative integer) or empty",
+            code="invalid_request",
+            param="Last-Event-ID",
+        )
+    return int(text)
 
 
 class _SlotStream(StreamingResponse):
@@ -334,7 +354,7 @@ def job_metrics(
     db: DB,
     project: CurrentProject,
     after: Annotated[
-        int | None, Query(ge=0, description="Cursor: `next_cursor` of the previous page.")
+        int | None, Query(ge=0, le=MAX_ROW_ID, description="Cursor: `next_cursor` of the previous page.")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> schemas.MetricList:

@@ -2,7 +2,7 @@
 
 The ledger starts from the datasets and published checkpoints already stored.
 
-Revision ID: 0005_harden_a
+Revision ID: 0005
 Revises: 0004
 """
 
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = "0005_harden_a"
+revision = "0005"
 down_revision = "0004"
 branch_labels = None
 depends_on = None
