@@ -20,6 +20,7 @@ def add_dataset(
     size: int,
     num_records: int,
     format: str,
+    prompts_only_records: int = 0,
 ) -> Dataset:
     """Add the row of a JSONL already stored under `uri` (the caller commits)."""
     row = Dataset(
@@ -31,6 +32,7 @@ def add_dataset(
         size=size,
         num_records=num_records,
         format=format,
+        prompts_only_records=prompts_only_records,
         created_at=utcnow(),
     )
     session.add(row)

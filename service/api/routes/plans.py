@@ -12,9 +12,9 @@ from rq.job import JobStatus
 
 from peagle_core.spec import JobSpec
 from service.api import schemas
+from service.api.dataset_checks import dataset_for_spec
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn
 from service.api.errors import ApiError
-from service.crud import datasets as datasets_crud
 from service.paths import check_spec_paths
 from service.queue import enqueue_plan, withdraw_plan
 
@@ -43,14 +43,7 @@ def plan_job(
 ) -> dict[str, Any]:
     spec = check_spec_paths(body.spec, settings, project_id=project.id)
     if spec.dataset.id is not None:
-        ds = datasets_crud.get_dataset(db, project.id, spec.dataset.id)
-        if ds is None:
-            raise ApiError(
-                422,
-                f"no dataset with id {spec.dataset.id!r}",
-                code="dataset_not_found",
-                param="spec.dataset.id",
-            )
+        ds = dataset_for_spec(db, project.id, spec)
         data = {"uri": ds.uri, "sha256": ds.sha256}
     else:
         data = {"path": spec.dataset.path}
