@@ -87,3 +87,20 @@ def test_plan_estimates_are_within_2x_of_the_measured_stages(spec_and_data, tmp_
 
     again, _ = plan_job(spec, data, tmp_path / "plan2", rates=rates)
     assert again["estimates_from"] == "stored" and again["stages_s"] == estimated
+
+
+def test_a_prompts_only_dataset_is_refused_by_name_before_any_work(tmp_path: Path) -> None:
+    from peagle_core.errors import DataError
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    '{"messages": [{"role": "user", "content": "only a prompt"}]}\n')  # fmt: skip
+    spec = parse_spec(
+        {
+            "verifier": {"name_or_path": str(tmp_path / "not-loaded")},
+            "dataset": {"path": str(data), "regenerate": True},
+        }
+    )
+    with pytest.raises(DataError, match=r"line 2: no assistant turn.*cannot be planned") as exc:
+        plan_job(spec, data, tmp_path / "work")
+    assert exc.value.param == "dataset.regenerate"
