@@ -128,7 +128,7 @@ def _turns(obj: dict[str, Any], fmt: Format, line: int, prompts_only_ok: bool) -
 
 def _category(obj: dict[str, Any], line: int) -> str | None:
     cat = obj.get("category")
-    if cat is None:
+    if cat is None or cat == "":
         return None
     if not isinstance(cat, str) or not 0 < len(cat) <= MAX_CATEGORY_CHARS:
         raise DataError(
