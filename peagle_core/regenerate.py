@@ -1,4 +1,5 @@
-"""Response regeneration: the verifier rewrites every assistant turn of a chat dataset, turn by turn.
+"""Response regeneration: the verifier rewrites every assistant turn of a chat dataset (and answers every user
+turn of a prompts-only conversation), turn by turn.
 
 Progress is appended to a work log one conversation at a time, so a killed run resumes with no duplicate
 and no lost row; the finished JSONL keeps the source's format and gets a provenance record beside it.
@@ -12,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -149,6 +150,19 @@ class _Conversation:
         self.done = True
 
 
+def _with_answer_slots(row: Row) -> Row:
+    """A prompts-only conversation gets an (empty) assistant turn after each user turn, for the verifier to
+    write; a conversation with answers is rewritten where its answers are."""
+    if not row.prompts_only or row.messages is None:
+        return row
+    messages: list[dict[str, str]] = []
+    for m in row.messages:
+        messages.append(m)
+        if m["role"] == "user":
+            messages.append({"role": "assistant", "content": ""})
+    return replace(row, messages=messages)
+
+
 def rewrite_conversations(
     rows: Sequence[tuple[int, Row]],
     tokenizer: Any,
@@ -160,7 +174,7 @@ def rewrite_conversations(
 
     Returns the conversations and the tokens generated, or None when `should_stop` asked to stop first.
     """
-    convs = [_Conversation(i, row) for i, row in rows]
+    convs = [_Conversation(i, _with_answer_slots(row)) for i, row in rows]
     generated = 0
     while True:
         active = []
@@ -194,12 +208,16 @@ def rewrite_conversations(
                 c.flagged_turns.append(sum(m["role"] == "assistant" for m in c.out) - 1)
 
 
-def _output_row(messages: list[dict[str, str]], fmt: str) -> dict[str, Any]:
+def _output_row(messages: list[dict[str, str]], fmt: str, category: str | None = None) -> dict[str, Any]:
     if fmt == "sharegpt":
-        return {
+        row: dict[str, Any] = {
             "conversations": [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in messages]
         }
-    return {"messages": messages}
+    else:
+        row = {"messages": messages}
+    if category is not None:
+        row["category"] = category
+    return row
 
 
 class _WorkLog:
@@ -322,7 +340,8 @@ def regenerate(
 def _read_chat_rows(data_path: Path, params: RegenParams) -> tuple[str, list[Row]]:
     rows: list[Row] = []
     fmt = "messages"
-    for fmt, row in iter_rows(data_path, params.fmt):
+    # prompts-only rows are welcome here: the verifier writes their answers
+    for fmt, row in iter_rows(data_path, params.fmt, prompts_only_ok=True):
         if fmt == "tokenized":
             raise DataError(
                 f"line {row.line}: regeneration needs chat data (messages or sharegpt), not tokenized rows",
@@ -344,7 +363,7 @@ def _record(c: _Conversation, fmt: str) -> dict[str, Any]:
     return {
         "i": c.index,
         "line": c.row.line,
-        "row": _output_row(c.out, fmt) if kept else None,
+        "row": _output_row(c.out, fmt, c.row.category) if kept else None,
         "counts": counts,
         "flagged_turns": c.flagged_turns,
     }

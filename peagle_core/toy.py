@@ -12,7 +12,6 @@ import importlib
 import inspect
 import json
 import math
-import os
 import random
 import re
 import shutil
@@ -224,8 +223,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 def _cache_root(cache_dir: str | Path | None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir)
-    env = os.environ.get("PEAGLE_CACHE_DIR")
-    return Path(env) / "toy" if env else Path.home() / ".cache" / "peagle" / "toy"
+    from peagle_core.catalogue import cache_root
+
+    return cache_root() / "toy"
 
 
 def _cache_key(size: str, seed: int, corpus: list[dict[str, Any]]) -> str:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.toy", "tests.fixtures.stack", "tests.fixtures.vllm"]
+pytest_plugins = [
+    "tests.fixtures.toy",
+    "tests.fixtures.stack",
+    "tests.fixtures.vllm",
+    "tests.fixtures.catalogue",
+]
 
 
 def _cuda_available() -> bool:

@@ -54,6 +54,10 @@ def prepare(
 def validate(
     data: Annotated[Path, typer.Argument(help="JSONL dataset to check.")],
     fmt: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt or tokenized.")] = "auto",
+    regenerate: Annotated[
+        bool,
+        typer.Option("--regenerate", help="The job regenerates answers: prompts-only rows are valid."),
+    ] = False,
 ) -> None:
     """Check a JSONL dataset's structure (no tokenizer); exits non-zero naming the first bad line."""
     from peagle_core.data.formats import validate_jsonl
@@ -61,7 +65,7 @@ def validate(
 
     if not data.is_file():
         raise DataError(f"dataset file {str(data)!r} does not exist", param="data")
-    typer.echo(json.dumps(validate_jsonl(data, fmt).to_dict()))
+    typer.echo(json.dumps(validate_jsonl(data, fmt, prompts_only_ok=regenerate).to_dict()))
 
 
 @app.command("regenerate")

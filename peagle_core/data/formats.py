@@ -20,6 +20,7 @@ FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokenized")
 # One JSONL line is parsed into Python objects about 12x its size, so a line's length bounds the memory a
 # reader needs. 8 MiB holds a 131072-token pre-tokenized row or ~2M characters of chat several times over.
 DEFAULT_MAX_LINE_BYTES = 8 << 20
+MAX_CATEGORY_CHARS = 200
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -41,6 +42,12 @@ class Row:
     messages: list[dict[str, str]] | None = None
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
+    category: str | None = None  # a chat row's optional top-level "category" (per-category reports)
+
+    @property
+    def prompts_only(self) -> bool:
+        """A conversation with no assistant turn: trainable only once the verifier writes the answers."""
+        return self.messages is not None and not any(m["role"] == "assistant" for m in self.messages)
 
 
 @dataclass
@@ -50,12 +57,14 @@ class ValidationReport:
     rows: int
     format: Format
     assistant_turns: int = 0
+    prompts_only_rows: int = 0  # conversations with no assistant turn (valid only with regeneration)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rows": self.rows,
             "format": self.format,
             "assistant_turns": self.assistant_turns,
+            "prompts_only_rows": self.prompts_only_rows,
         }
 
 
@@ -72,7 +81,7 @@ def detect_format(obj: Any) -> Format | None:
     return None
 
 
-def _turns(obj: dict[str, Any], fmt: Format, line: int) -> list[dict[str, str]]:
+def _turns(obj: dict[str, Any], fmt: Format, line: int, prompts_only_ok: bool) -> list[dict[str, str]]:
     key, role_key, text_key = (
         ("messages", "role", "content") if fmt == "messages" else ("conversations", "from", "value")
     )
@@ -108,9 +117,25 @@ def _turns(obj: dict[str, Any], fmt: Format, line: int) -> list[dict[str, str]]:
         messages.append({"role": role, "content": text})
     if all(m["role"] == "system" for m in messages):
         raise DataError(f"line {line}: empty conversation (only system turns)", param=f"line {line}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"line {line}: no assistant turn, nothing to train on", param=f"line {line}")
+    if not prompts_only_ok and not any(m["role"] == "assistant" for m in messages):
+        raise DataError(
+            f"line {line}: no assistant turn, nothing to train on (prompts-only data needs "
+            "dataset.regenerate, so that the verifier writes the answers)",
+            param=f"line {line}",
+        )
     return messages
+
+
+def _category(obj: dict[str, Any], line: int) -> str | None:
+    cat = obj.get("category")
+    if cat is None or cat == "":
+        return None
+    if not isinstance(cat, str) or not 0 < len(cat) <= MAX_CATEGORY_CHARS:
+        raise DataError(
+            f"line {line}: 'category' must be a string of 1 to {MAX_CATEGORY_CHARS} characters",
+            param=f"line {line}",
+        )
+    return cat
 
 
 def _tokenized(obj: dict[str, Any], line: int) -> Row:
@@ -135,15 +160,18 @@ def _tokenized(obj: dict[str, Any], line: int) -> Row:
     return Row(line=line, input_ids=[int(t) for t in ids], loss_mask=[int(m) for m in mask])
 
 
-def parse_row(obj: Any, fmt: Format, line: int) -> Row:
-    """Check one parsed JSON row against `fmt` and normalise it."""
+def parse_row(obj: Any, fmt: Format, line: int, prompts_only_ok: bool = False) -> Row:
+    """Check one parsed JSON row against `fmt` and normalise it.
+
+    A conversation without an assistant turn is an error unless `prompts_only_ok` (regeneration writes
+    the answers)."""
     seen = detect_format(obj)
     if seen != fmt:
         what = "not a JSON object" if not isinstance(obj, dict) else f"looks like {seen or 'no known format'}"
         raise DataError(f"line {line}: expected a {fmt} row, {what}", param=f"line {line}")
     if fmt == "tokenized":
         return _tokenized(obj, line)
-    return Row(line=line, messages=_turns(obj, fmt, line))
+    return Row(line=line, messages=_turns(obj, fmt, line, prompts_only_ok), category=_category(obj, line))
 
 
 def _lines(source: str | Path | IO[bytes] | IO[str], max_line_bytes: int) -> Iterator[tuple[int, str]]:
@@ -170,11 +198,15 @@ def _lines(source: str | Path | IO[bytes] | IO[str], max_line_bytes: int) -> Ite
 
 
 def iter_rows(
-    source: str | Path | IO[bytes] | IO[str], fmt: str = "auto", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    source: str | Path | IO[bytes] | IO[str],
+    fmt: str = "auto",
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    prompts_only_ok: bool = False,
 ) -> Iterator[tuple[Format, Row]]:
     """Parse and check a JSONL source row by row; `auto` takes the format of the first row.
 
-    Memory is bounded by one line: a line longer than `max_line_bytes` raises DataError naming it."""
+    Memory is bounded by one line: a line longer than `max_line_bytes` raises DataError naming it.
+    `prompts_only_ok` accepts conversations without an assistant turn (see `parse_row`)."""
     if fmt not in FORMATS:
         raise DataError(f"unknown data format {fmt!r} (expected one of {', '.join(FORMATS)})", param="format")
     resolved: Format | None = None if fmt == "auto" else fmt  # type: ignore[assignment]
@@ -197,25 +229,30 @@ def iter_rows(
                     "'input_ids' key",
                     param=f"line {n}",
                 )
-        yield resolved, parse_row(obj, resolved, n)
+        yield resolved, parse_row(obj, resolved, n, prompts_only_ok)
 
 
 def validate_jsonl(
     source: str | Path | IO[bytes] | IO[str] | bytes,
     fmt: str = "auto",
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    prompts_only_ok: bool = False,
 ) -> ValidationReport:
     """Check a JSONL dataset's structure without a tokenizer, one line at a time; raises DataError naming
-    the first bad line (malformed, nested too deeply, longer than `max_line_bytes`)."""
+    the first bad line (malformed, nested too deeply, longer than `max_line_bytes`). With
+    `prompts_only_ok`, conversations without an assistant turn are counted instead of refused."""
     if isinstance(source, bytes):
         source = io.BytesIO(source)
-    rows = assistant = 0
+    rows = assistant = prompts_only = 0
     resolved: Format | None = None
-    for fmt_seen, row in iter_rows(source, fmt, max_line_bytes):
+    for fmt_seen, row in iter_rows(source, fmt, max_line_bytes, prompts_only_ok):
         resolved = fmt_seen
         rows += 1
         if row.messages is not None:
             assistant += sum(m["role"] == "assistant" for m in row.messages)
+            prompts_only += row.prompts_only
     if rows == 0 or resolved is None:
         raise DataError("the dataset has no rows", param="data")
-    return ValidationReport(rows=rows, format=resolved, assistant_turns=assistant)
+    return ValidationReport(
+        rows=rows, format=resolved, assistant_turns=assistant, prompts_only_rows=prompts_only
+    )

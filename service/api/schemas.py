@@ -199,6 +199,9 @@ class Dataset(_Out):
     size: int
     num_records: int
     format: str
+    prompts_only_records: int = Field(
+        default=0, description="Conversations without an assistant turn (jobs must set dataset.regenerate)."
+    )
     created_at: datetime
 
 

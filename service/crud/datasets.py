@@ -21,6 +21,7 @@ def add_dataset(
     size: int,
     num_records: int,
     format: str,
+    prompts_only_records: int = 0,
 ) -> Dataset:
     """Add the row of a JSONL already stored under `uri`, and its bytes to the project's storage ledger
     (the caller commits)."""
@@ -33,6 +34,7 @@ def add_dataset(
         size=size,
         num_records=num_records,
         format=format,
+        prompts_only_records=prompts_only_records,
         created_at=utcnow(),
     )
     session.add(row)

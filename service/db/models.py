@@ -123,6 +123,11 @@ class Dataset(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     num_records: Mapped[int] = mapped_column(Integer)
     format: Mapped[str] = mapped_column(String(32))
+    prompts_only_records: Mapped[int] = mapped_column(
+        Integer,
+        server_default="0",
+        doc="Conversations without an assistant turn: a job must set dataset.regenerate to train on them.",
+    )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 

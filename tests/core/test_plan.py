@@ -111,3 +111,20 @@ def test_the_vllm_engine_stage_uses_the_vllm_rates(spec_and_data, tmp_path: Path
     plain, _ = plan_job(parse_spec({**spec.model_dump(mode="json"), "hidden_states": {"mode": "offline"},
                                     "resources": {}}), data, tmp_path / "plain", rates=rates)  # fmt: skip
     assert plain["stages_s"]["hidden_states"] == round(3.0 + tokens / 1000.0, 1)
+
+
+def test_a_prompts_only_dataset_is_refused_by_name_before_any_work(tmp_path: Path) -> None:
+    from peagle_core.errors import DataError
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    '{"messages": [{"role": "user", "content": "only a prompt"}]}\n')  # fmt: skip
+    spec = parse_spec(
+        {
+            "verifier": {"name_or_path": str(tmp_path / "not-loaded")},
+            "dataset": {"path": str(data), "regenerate": True},
+        }
+    )
+    with pytest.raises(DataError, match=r"line 2: no assistant turn.*cannot be planned") as exc:
+        plan_job(spec, data, tmp_path / "work")
+    assert exc.value.param == "dataset.regenerate"

@@ -86,6 +86,34 @@ def test_every_assistant_turn_is_the_verifiers_answer_to_the_rewritten_history(
     assert not work_log_path(reference).exists()
 
 
+def test_prompts_only_conversations_get_an_answer_after_each_user_turn(
+    chat_data: Path, toy_verifier, toy_verifier_dir: Path, tmp_path: Path
+) -> None:
+    _, source = read_rows(chat_data)
+    prompts = [
+        {"messages": [m for m in row.messages if m["role"] != "assistant"], "category": f"c{i % 2}"}
+        for i, row in enumerate(source[:4])
+    ]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in prompts))
+    out = tmp_path / "answered.jsonl"
+    report = regenerate(str(toy_verifier_dir), data, out, RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128))
+    assert report.written == 4
+    rows = [row for _, row in iter_rows(out)]  # trainable as it is: every row now has answers
+    multi_turn = 0
+    for src, new in zip(prompts, rows, strict=True):
+        users = [m for m in src["messages"] if m["role"] == "user"]
+        assert [m for m in new.messages if m["role"] != "assistant"] == src["messages"]
+        assert sum(m["role"] == "assistant" for m in new.messages) == len(users)
+        assert new.category == src["category"]
+        for i, m in enumerate(new.messages):
+            if m["role"] == "assistant":
+                assert new.messages[i - 1]["role"] == "user"  # each user turn answered, in order
+                assert m["content"] == _greedy(toy_verifier, new.messages[:i], NEW_TOKENS)
+                multi_turn += i > 2
+    assert multi_turn > 0
+
+
 def test_a_second_run_reuses_the_result(reference: Path, chat_data: Path, toy_verifier_dir: Path) -> None:
     before = reference.stat().st_mtime_ns
     report = regenerate(

@@ -34,6 +34,31 @@ def test_upload_list_get_and_use_in_a_job(client, auth, settings, spec) -> None:
     assert job["spec"]["dataset"]["id"] == ds["id"]
 
 
+def test_prompts_only_data_is_accepted_with_regeneration_and_422_without(client, auth, spec) -> None:
+    prompts = [{"messages": [{"role": "user", "content": f"q{i}"}], "category": "writing"} for i in range(2)]
+    data = GOOD + "".join(json.dumps(r) + "\n" for r in prompts).encode()
+    r = client.post("/v1/datasets", files={"file": ("prompts.jsonl", data)}, headers=auth)
+    assert r.status_code == 201, r.text
+    ds = r.json()
+    assert (ds["num_records"], ds["prompts_only_records"]) == (5, 2)
+
+    body = {**spec, "dataset": {"id": ds["id"], "seq_len": 64}}
+    for path in ("/v1/jobs", "/v1/jobs/plan"):
+        r = client.post(path, json={"spec": body}, headers=auth)
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["param"] == "spec.dataset.regenerate" and err["code"] == "prompts_only_dataset"
+        assert "2 of 5 conversations without an assistant turn" in err["message"]
+    assert client.get("/v1/jobs", headers=auth).json()["data"] == []
+
+    job = create_job(client, auth, {**spec, "dataset": {"id": ds["id"], "seq_len": 64, "regenerate": True}})
+    assert job["spec"]["dataset"]["regenerate"]["max_new_tokens"] == 512
+    # a dataset with answers needs no regeneration
+    r = client.post("/v1/datasets", files={"file": ("chat.jsonl", GOOD)}, headers=auth)
+    assert r.json()["prompts_only_records"] == 0
+    create_job(client, auth, {**spec, "dataset": {"id": r.json()["id"], "seq_len": 64}})
+
+
 def test_oversized_upload_is_413_and_leaves_nothing(client, auth, make_settings) -> None:
     from fastapi.testclient import TestClient
 

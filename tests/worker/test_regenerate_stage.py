@@ -93,3 +93,27 @@ def test_cancel_during_regeneration_stops_cleanly_and_the_next_job_resumes(
     for new, old in zip(lines, source, strict=True):
         users = [[m for m in json.loads(x)["messages"] if m["role"] == "user"] for x in (new, old)]
         assert users[0] == users[1]
+
+
+def test_a_prompts_only_dataset_trains_with_regeneration_and_fails_naming_the_field_without(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path
+) -> None:
+    rows = [json.loads(line) for line in toy_dataset_path.read_text().splitlines()[:24]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [m for m in r["messages"] if m["role"] != "assistant"]}) + "\n"
+            for r in rows
+        )
+    )
+    regen = toy_spec(toy_verifier_dir, prompts, dataset={"regenerate": REGEN}, training={"max_steps": 2})
+    plain = toy_spec(toy_verifier_dir, prompts, training={"max_steps": 2})
+    ok, refused = stack.submit(regen), stack.submit(plain)
+    stack.run_burst()
+    job = stack.job(ok)
+    assert job.status == "succeeded", (job.error, [e.message for e in stack.events(ok)])
+    (done,) = [e for e in stack.events(ok) if e.data and e.data.get("kind") == "regenerate"]
+    assert done.data["written"] == 24 and done.data["turns"] >= 24  # every user turn answered
+    job = stack.job(refused)
+    assert job.status == "failed" and job.error["code"] == "invalid_data"
+    assert "no assistant turn" in job.error["message"] and "dataset.regenerate" in job.error["message"]

