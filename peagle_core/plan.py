@@ -7,8 +7,6 @@ of the same setup stored (`Rates`, keyed by `rates_key`). The plan says which.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import platform
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.spec import JobSpec
+from peagle_core.stage_keys import content_key
 from peagle_core.vllm_judge import resolve_engines
 
 PLAN_VERSION = 1
@@ -71,7 +70,7 @@ def rates_key(spec: JobSpec, device: str) -> str:
                 spec.training.num_segments],
         "regenerate": spec.dataset.regenerate.model_dump() if spec.dataset.regenerate else None,
     }  # fmt: skip
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return content_key("plan_rates", blob)
 
 
 # ------------------------------------------------------------------------------ calibration

@@ -12,7 +12,6 @@ development; it is never what a real job wants).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -22,9 +21,10 @@ from pathlib import Path
 
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
-from peagle_core.spec import JobSpec
+from peagle_core.pipeline import PipelineResult
+from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
-from worker.job_io import Outcome, error_for, event_recorder, setup_logging, write_event
+from worker.job_io import error_for, event_recorder, setup_logging, write_event
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,14 @@ def train_distributed(
     *,
     attempt: int,
     worker_name: str,
-) -> Outcome:
-    """Run `peagle_core.train.train` on `spec.resources.gpus` local ranks and return rank 0's outcome."""
+) -> PipelineResult:
+    """The pipeline's training stage on `spec.resources.gpus` local ranks; returns rank 0's result.
+
+    The ranks read the horse's checked spec as its user wrote it (unset fields stay unset)."""
     result_path = out_dir / f"result-attempt{attempt}.json"
     result_path.unlink(missing_ok=True)
+    spec_path = out_dir / f"spec-attempt{attempt}.json"
+    atomic_write_json(spec_path, spec.model_dump(mode="json", exclude_unset=True))
     env = {
         **os.environ,
         "PEAGLE_DATABASE_URL": settings.database_url,
@@ -78,7 +82,7 @@ def train_distributed(
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={spec.resources.gpus}",
         "-m", "worker.multigpu",
-        "--job-id", job_id, "--out-dir", str(out_dir), "--dataset-dir", str(dataset_dir),
+        "--job-id", job_id, "--spec", str(spec_path), "--out-dir", str(out_dir), "--dataset-dir", str(dataset_dir),
         "--attempt", str(attempt), "--worker-name", worker_name, "--result", str(result_path),
     ]  # fmt: skip
     if cache_dir is not None:
@@ -94,19 +98,18 @@ def train_distributed(
     if "error" in result:
         error = result["error"]
         raise PeagleError(error["message"], code=error["code"], param=error.get("param"))
-    return Outcome(**result)
+    return PipelineResult.from_dict(result)
 
 
 def _rank_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    for name in ("--job-id", "--out-dir", "--dataset-dir", "--worker-name", "--result"):
+    for name in ("--job-id", "--spec", "--out-dir", "--dataset-dir", "--worker-name", "--result"):
         parser.add_argument(name, required=True)
     parser.add_argument("--cache-dir")
     parser.add_argument("--attempt", type=int, required=True)
     args = parser.parse_args(argv)
 
     from peagle_core.train import train
-    from service.crud.jobs import find_job
     from service.db.session import session_factory
     from service.settings import get_settings
     from worker.cancel import JobMonitor
@@ -117,8 +120,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     sessions = session_factory(settings.database_url)
 
-    with sessions() as session:
-        spec = JobSpec.model_validate(find_job(session, args.job_id).spec)
+    spec = load_spec(args.spec)
     write_event(
         sessions,
         args.job_id,
@@ -153,7 +155,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
             progress.close(tolerance_s=settings.db_outage_tolerance_s)
         monitor.stop()
     if rank == 0:
-        atomic_write_json(args.result, dataclasses.asdict(Outcome.from_train_result(result)))
+        atomic_write_json(args.result, result.to_dict())
     return 0
 
 

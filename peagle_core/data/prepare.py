@@ -91,22 +91,6 @@ def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote
     return tokenizer, config.get_text_config(), (local if local.is_dir() else None)
 
 
-def verifier_data_fingerprint(
-    verifier: str | Path, revision: str | None = None, trust_remote_code: bool = False
-) -> str:
-    """What prepared data depends on in a verifier, by content: its tokenizer (vocabulary, special tokens,
-    chat template), vocabulary size and mask token. Two names for one verifier share prepared data; a
-    name whose files changed does not reuse what was prepared from the old files."""
-    tokenizer, config, verifier_dir = _load_tokenizer_and_config(str(verifier), revision, trust_remote_code)
-    vocab_size = int(config.vocab_size)
-    parts = [
-        tokenizer_fingerprint(tokenizer),
-        vocab_size,
-        find_mask_token_id(tokenizer, vocab_size, verifier_dir),
-    ]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
 def prepare_dataset(
     verifier_path: str | Path,
     data_path: str | Path,

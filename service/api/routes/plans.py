@@ -58,7 +58,12 @@ def plan_job(
     timeout = settings.plan_timeout_s
     try:
         rq_job = enqueue_plan(
-            redis, queue, spec.model_dump(mode="json"), data, timeout, recalibrate=recalibrate
+            redis,
+            queue,
+            spec.model_dump(mode="json", exclude_unset=True),
+            data,
+            timeout,
+            recalibrate=recalibrate,
         )
         deadline = time.monotonic() + timeout
         status = rq_job.get_status()
