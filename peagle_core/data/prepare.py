@@ -22,6 +22,7 @@ from peagle_core.data.vocab import build_draft_vocab, token_counts
 from peagle_core.errors import DataError, VerifierError
 from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
 from peagle_core.spec import JobSpec
+from peagle_core.stage_keys import content_key
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +163,8 @@ def prepare_dataset(
     covered = float(t2d[input_ids[loss_mask.bool()].long()].float().mean())
     tok_fp = tokenizer_fingerprint(tokenizer)
     source_sha = sha256_file(data_path)
-    fp = hashlib.sha256(
-        json.dumps([tok_fp, source_sha, seq_len, source_format, max_samples]).encode()
-    ).hexdigest()
+    # The data's own identity (the hidden-state cache checks it): what the tokens depend on.
+    fp = content_key("prepared_data", tok_fp, source_sha, seq_len, source_format, max_samples)
     manifest = {
         "format_version": FORMAT_VERSION,
         "num_samples": len(all_ids),
