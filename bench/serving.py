@@ -21,8 +21,8 @@ from _common import emit
 
 
 def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Namespace) -> Path:
-    from peagle_core.spec import parse_spec
     from peagle_core.pipeline import run_pipeline
+    from peagle_core.spec import parse_spec
 
     spec = parse_spec(
         {

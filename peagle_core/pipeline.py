@@ -91,54 +91,10 @@ TrainStage = Callable[[JobSpec, Path, Path, Path, Callbacks, bool], PipelineResu
 
 
 def run_pipeline(
-    spec: JobSpec,
-    work_dir: str | Path,
-    *,
-    store: Store | None = None,
-    source: Path | None = None,
-    source_sha256: str | None = None,
-    scratch: Path | None = None,
-    callbacks: Callbacks | None = None,
-    resume: bool = True,
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-    before_train: Callable[[], None] | None = None,
-    train_stage: TrainStage | None = None,
+    spec: JobSpec, work_dir: str | Path, *, callbacks: Callbacks | None = None, resume: bool = True
 ) -> PipelineResult:
-    """Run `spec` in `work_dir` (checkpoints, export), reusing stage outputs `store` holds (default: a
-    `LocalStore` in `work_dir`). `source` is the JSONL to train on (default `dataset.path`); `scratch`
-    holds a remote store's outputs on this machine. `before_train` runs once the data is ready (the worker
-    restores its resume point there); `train_stage` trains elsewhere (torchrun) instead of in this process.
-    """
-    from peagle_core import distributed as dist_utils
-
-    work_dir = Path(work_dir)
-    cb = callbacks or Callbacks()
-    stages = DataStages.of(
-        spec,
-        work_dir,
-        store=store,
-        source=source,
-        source_sha256=source_sha256,
-        scratch=scratch,
-        callbacks=cb,
-        max_line_bytes=max_line_bytes,
-    )
-    # Under torchrun (`peagle train` on several GPUs) rank 0 makes the data and the others read it.
-    info = dist_utils.init_distributed()
-    dataset_dir = None
-    try:
-        if info.is_main:
-            dataset_dir = stages.data()
-    finally:
-        dist_utils.barrier(info)
-    if not info.is_main:
-        dataset_dir = stages.data_if_ready()
-    if dataset_dir is None:
-        return PipelineResult.stopped()
-    cache_dir = stages.cache_dir()
-    if before_train is not None:
-        before_train()
-    return (train_stage or train_here)(spec, work_dir, dataset_dir, cache_dir, cb, resume)
+    """`peagle train`: the whole pipeline in `work_dir`, its stage outputs kept there (a `LocalStore`)."""
+    return Pipeline.of(spec, Path(work_dir), callbacks=callbacks).run(resume=resume)
 
 
 def train_here(
@@ -160,9 +116,9 @@ def train_here(
 
 
 @dataclass
-class DataStages:
-    """The stages before training (regenerate, prepare) and the cache's place, each reusing the store's
-    output under its stage key."""
+class Pipeline:
+    """One job's pipeline: the stages before training (regenerate, prepare) each reuse the store's output
+    under its stage key; then the training stage runs (hidden states, train, eval, export)."""
 
     spec: JobSpec
     store: Store
@@ -186,8 +142,11 @@ class DataStages:
         scratch: Path | None = None,
         callbacks: Callbacks | None = None,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-    ) -> DataStages:
-        """The data stages of `spec` (arguments as `run_pipeline`'s); hashes the source and the verifier."""
+    ) -> Pipeline:
+        """The pipeline of `spec` in `work_dir` (checkpoints, export), reusing the stage outputs `store`
+        holds (default: a `LocalStore` in `work_dir`). `source` is the JSONL to train on (default
+        `dataset.path`; its sha256 is computed unless given); `scratch` holds a remote store's outputs on
+        this machine. Hashes the source and the verifier's files (memoised per process)."""
         if source is None:
             if spec.dataset.path is None:
                 raise DataError(
@@ -209,6 +168,35 @@ class DataStages:
             callbacks or Callbacks(),
             max_line_bytes,
         )
+
+    def run(
+        self,
+        *,
+        resume: bool = True,
+        before_train: Callable[[], None] | None = None,
+        train_stage: TrainStage | None = None,
+    ) -> PipelineResult:
+        """Every stage, or up to a stop request. `before_train` runs once the data is ready (the worker
+        restores its resume point there); `train_stage` trains elsewhere (torchrun) instead of here."""
+        from peagle_core import distributed as dist_utils
+
+        # Under torchrun (`peagle train` on several GPUs) rank 0 makes the data and the others read it.
+        info = dist_utils.init_distributed()
+        dataset_dir = None
+        try:
+            if info.is_main:
+                dataset_dir = self.data()
+        finally:
+            dist_utils.barrier(info)
+        if not info.is_main:
+            dataset_dir = self.data_if_ready()
+        if dataset_dir is None:
+            return PipelineResult.stopped()
+        cache_dir = self.cache_dir()
+        if before_train is not None:
+            before_train()
+        train = train_stage or train_here
+        return train(self.spec, self.work_dir, dataset_dir, cache_dir, self.cb, resume)
 
     def _key(self, stage: str) -> str:
         key_fn = {

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import CheckpointError, DataError, VerifierError
 from peagle_core.io import sha256_file
-from peagle_core.pipeline import Callbacks, PipelineResult, TrainStage, run_pipeline
+from peagle_core.pipeline import Callbacks, Pipeline, PipelineResult, TrainStage
 from peagle_core.spec import JobSpec
 from peagle_core.stage_keys import PREPARE
 from service.artifacts import ArtifactStore
@@ -256,7 +256,7 @@ class JobRunner:
         # Stage outputs are shared by a project's jobs only: a project never learns (from a reuse, or its
         # speed) that another one prepared the same data.
         scope = f"projects/{job.project_id}"
-        return run_pipeline(
+        pipeline = Pipeline.of(
             spec,
             work_dir,
             store=self.store.scoped(scope),
@@ -265,9 +265,9 @@ class JobRunner:
             scratch=Path(self.settings.data_dir) / "scratch" / scope,
             callbacks=callbacks,
             max_line_bytes=self.settings.max_line_bytes,
-            before_train=before_train,
-            train_stage=self._train_distributed(job) if spec.resources.gpus > 1 else None,
         )
+        train_stage = self._train_distributed(job) if spec.resources.gpus > 1 else None
+        return pipeline.run(before_train=before_train, train_stage=train_stage)
 
     def _train_distributed(self, job: Job) -> TrainStage:
         def train_stage(

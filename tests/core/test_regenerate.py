@@ -176,7 +176,7 @@ def test_peagle_train_regenerates_before_preparing(
 ) -> None:
     from peagle_core.data import PreparedDataset
     from peagle_core.io import sha256_file
-    from peagle_core.pipeline import Callbacks, DataStages
+    from peagle_core.pipeline import Callbacks, Pipeline
     from peagle_core.spec import parse_spec
     from peagle_core.stage_keys import regenerate_key, verifier_fingerprint
 
@@ -196,7 +196,7 @@ def test_peagle_train_regenerates_before_preparing(
 
     def data_dir() -> Path:
         # `peagle train`'s data stages: a local store in the output directory.
-        stages = DataStages.of(
+        stages = Pipeline.of(
             spec, tmp_path, callbacks=Callbacks(on_event=lambda k, m, d: events.append((k, d)))
         )
         path = stages.data()

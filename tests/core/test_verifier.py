@@ -69,7 +69,9 @@ def test_two_threads_share_one_verifier(toy_verifier: Verifier) -> None:
         assert all(pool.map(run, range(64)))
 
 
-def test_fingerprint_is_the_files_content(toy_verifier: Verifier, toy_verifier_dir: Path, tmp_path: Path) -> None:
+def test_fingerprint_is_the_files_content(
+    toy_verifier: Verifier, toy_verifier_dir: Path, tmp_path: Path
+) -> None:
     import shutil
 
     from safetensors.torch import load_file, save_file

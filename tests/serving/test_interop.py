@@ -16,8 +16,8 @@ import torch
 from peagle_core.errors import CheckpointError
 from peagle_core.evaluate import evaluate
 from peagle_core.model import PEagleDraftModel
-from peagle_core.spec import parse_spec
 from peagle_core.pipeline import run_pipeline
+from peagle_core.spec import parse_spec
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
 
 K = 3

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from peagle_core.pipeline import Callbacks, DataStages
+from peagle_core.pipeline import Callbacks, Pipeline
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from tests.worker.conftest import Stack, toy_spec
@@ -22,7 +22,7 @@ def test_prepared_data_is_per_project_and_by_verifier_content(
         # The store and scratch a worker gives a job of `project` (worker.runner.JobRunner._execute).
         logs: list[dict[str, Any]] = []
         spec = JobSpec.model_validate(toy_spec(verifier, toy_dataset_path))
-        stages = DataStages.of(
+        stages = Pipeline.of(
             spec,
             tmp_path / project,
             store=store.scoped(f"projects/{project}"),
