@@ -574,10 +574,10 @@ def lossless_eval(ctx: Context) -> dict[str, Any]:
 
 
 def train_e2e(ctx: Context) -> dict[str, Any]:
-    """`peagle_core.train.train` end to end on the toy, as a job runs it (hybrid hidden states, bf16
+    """`peagle_core.pipeline.run_pipeline` end to end on the toy, as a job runs it (hybrid hidden states, bf16
     autocast on CUDA, checkpoints, evaluation, the validated export), then resumed from its last
     checkpoint for two more steps."""
-    from peagle_core.train import train
+    from peagle_core.pipeline import Callbacks, run_pipeline
 
     verifier_dir, data = _toy(ctx)
     out = ctx.work / "toy-train"
@@ -589,9 +589,9 @@ def train_e2e(ctx: Context) -> dict[str, Any]:
             losses.append(metrics["loss"])
 
     spec = _toy_spec(verifier_dir, data, ctx.shapes, "hybrid", max_steps=4, checkpoint_every_steps=2)
-    first = train(spec, out, on_metrics=record)
+    first = run_pipeline(spec, out, callbacks=Callbacks(on_metrics=record))
     spec.training.max_steps = 6
-    second = train(spec, out, on_metrics=record)
+    second = run_pipeline(spec, out, callbacks=Callbacks(on_metrics=record))
     fields = {
         "device": next(first.model.parameters()).device.type,
         "steps": [first.step, second.step],

@@ -21,8 +21,8 @@ from _common import emit
 
 
 def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Namespace) -> Path:
+    from peagle_core.pipeline import run_pipeline
     from peagle_core.spec import parse_spec
-    from peagle_core.train import train
 
     spec = parse_spec(
         {
@@ -41,7 +41,7 @@ def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Name
             "export": {"vllm_check": False},
         }
     )
-    result = train(spec, out)
+    result = run_pipeline(spec, out)
     assert result.export_dir is not None
     return result.export_dir
 

@@ -1,5 +1,5 @@
-"""The parts of a training run, built from a job spec: data, verifier, hidden-state source, drafter,
-teacher, optimizer, the packed batches of each epoch and the vLLM judge.
+"""The parts of a training run, built from a job spec: verifier, hidden-state source, drafter, teacher,
+optimizer, the packed batches of each epoch and the vLLM judge (the data comes from `peagle_core.pipeline`).
 
 `peagle_core.train` assembles them; benchmarks and tests build single parts with the same functions.
 """
@@ -18,7 +18,6 @@ from peagle_core.cache import MANIFEST, CacheFingerprint, HiddenStateCache
 from peagle_core.config import PEagleConfig
 from peagle_core.data import PreparedDataset
 from peagle_core.data.packing import pack_bins
-from peagle_core.data.prepare import prepare_for_spec
 from peagle_core.errors import DataError
 from peagle_core.evaluate import held_out_prompts, prompt_of
 from peagle_core.hidden_states import HiddenStateSource
@@ -35,32 +34,6 @@ from peagle_core.spec import JobSpec
 from peagle_core.verifier import Verifier
 from peagle_core.vllm_hidden_states import VllmHiddenStates
 from peagle_core.vllm_judge import Engines, VllmJudge, engine_options, resolve_engines
-
-
-def prepare_data(
-    spec: JobSpec, out_dir: Path, dataset_dir: str | Path | None, info: dist_utils.DistInfo
-) -> PreparedDataset:
-    """The prepared dataset: `dataset_dir` if given, else out_dir/data (reused when its fingerprint matches)."""
-    if dataset_dir is not None:
-        return PreparedDataset.open(dataset_dir)
-    if spec.dataset.path is None:
-        raise DataError(
-            "dataset.id needs the service to resolve it to a file; give dataset.path", param="dataset"
-        )
-    target = out_dir / "data"
-    if info.is_main:
-        source = Path(spec.dataset.path)
-        if spec.dataset.regenerate is not None:  # `peagle train`: the worker does this as a stage of its own
-            from peagle_core.regenerate import params_for_spec, regenerate
-
-            regenerated = out_dir / "regenerated" / "data.jsonl"
-            regenerated.parent.mkdir(parents=True, exist_ok=True)
-            regenerate(spec.verifier.name_or_path, source, regenerated, params_for_spec(spec),
-                       revision=spec.verifier.revision, trust_remote_code=spec.verifier.trust_remote_code)  # fmt: skip
-            source = regenerated
-        prepare_for_spec(spec, source, target)
-    dist_utils.barrier(info)
-    return PreparedDataset.open(target)
 
 
 def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from safetensors.torch import save_file
 from peagle_core.cache_codec import DTYPES, HiddenRecord, decode_rows, encode_rows
 from peagle_core.errors import CacheError
 from peagle_core.io import atomic_write_json, sha256_file
+from peagle_core.stage_keys import content_key
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +86,12 @@ class CacheFingerprint:
 
     @property
     def key(self) -> str:
-        blob = json.dumps(
-            {"verifier": self.verifier, "layer_ids": list(self.layer_ids), "dataset": self.dataset},
-            sort_keys=True,
-        )
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return content_key(self.verifier, list(self.layer_ids), self.dataset)
 
     @classmethod
     def of(cls, verifier: Any, dataset: TokenDataset) -> CacheFingerprint:
-        """The fingerprint for `verifier` (a peagle_core.verifier.Verifier) over `dataset`."""
+        """The fingerprint for `verifier` (a peagle_core.verifier.Verifier, whose `fingerprint` is
+        `peagle_core.stage_keys.verifier_fingerprint`) over `dataset`."""
         return cls(str(verifier.fingerprint), tuple(int(i) for i in verifier.layer_ids), dataset.fingerprint)
 
     def to_json(self) -> dict[str, Any]:

@@ -7,8 +7,6 @@ of the same setup stored (`Rates`, keyed by `rates_key`). The plan says which.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
 import platform
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.spec import JobSpec
+from peagle_core.stage_keys import content_key
 from peagle_core.vllm_judge import resolve_engines
 
 PLAN_VERSION = 1
@@ -76,7 +75,7 @@ def rates_key(spec: JobSpec, device: str) -> str:
     }  # fmt: skip
     if spec.hidden_states.engine != "transformers":  # only then, so that stored transformers rates stay valid
         blob["hs_engine"] = [spec.hidden_states.engine, spec.resources.tensor_parallel_size]
-    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return content_key("plan_rates", blob)
 
 
 # ------------------------------------------------------------------------------ calibration

@@ -7,7 +7,6 @@ and no lost row; the finished JSONL keeps the source's format and gets a provena
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from peagle_core.data.formats import Row, iter_rows
 from peagle_core.errors import DataError
 from peagle_core.generators import Engine, Generator, open_generator
 from peagle_core.io import atomic_write_bytes, atomic_write_json, sha256_file
+from peagle_core.stage_keys import REGEN_VERSION, regeneration_inputs, regeneration_key, verifier_fingerprint
 
 if TYPE_CHECKING:
     from peagle_core.spec import JobSpec
@@ -29,9 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REGEN_VERSION = 1  # bump when the rewrite rules change: invalidates every cached regeneration
 _SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
-_WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".py")
 
 
 @dataclass(frozen=True)
@@ -74,29 +72,7 @@ class RegenReport:
         return asdict(self) | {"tokens_per_s": round(self.tokens_per_s, 2)}
 
 
-# ------------------------------------------------------------------------------ fingerprints and paths
-
-
-def verifier_fingerprint(name_or_path: str, revision: str | None = None) -> str:
-    """sha256 over a local verifier directory's files (name, size, content); a hub id is its name+revision.
-
-    Computed from the files, not the loaded model, so the service can look a cached regeneration up
-    before loading anything, and both engines share one fingerprint.
-    """
-    path = Path(name_or_path).expanduser()
-    h = hashlib.sha256()
-    if not path.is_dir():
-        h.update(json.dumps(["hub", name_or_path, revision]).encode())
-        return h.hexdigest()
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
-        h.update(f"{f.relative_to(path).as_posix()}|{f.stat().st_size}|{sha256_file(f)}\n".encode())
-    return h.hexdigest()
-
-
-def regen_fingerprint(verifier_fp: str, source_sha256: str, params: RegenParams) -> str:
-    """The cache key of a regeneration: same verifier files, same source bytes, same parameters."""
-    blob = json.dumps([REGEN_VERSION, verifier_fp, source_sha256, asdict(params)], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
+# ------------------------------------------------------------------------------ paths
 
 
 def work_log_path(out: Path) -> Path:
@@ -291,7 +267,7 @@ def regenerate(
         )
     source_sha = sha256_file(data_path)
     verifier_fp = verifier_fp or verifier_fingerprint(verifier, revision)
-    fp = regen_fingerprint(verifier_fp, source_sha, params)
+    fp = regeneration_key(params, source_sha, verifier_fp)
     prov = read_provenance(out)
     if prov is not None and prov.get("fingerprint") == fp:
         return RegenReport(**{**prov["counts"], "fingerprint": fp, "reused": True, "status": "completed"})
@@ -427,15 +403,4 @@ def _finish(
 
 def params_for_spec(spec: JobSpec) -> RegenParams:
     """The regeneration parameters of a job spec whose `dataset.regenerate` is set."""
-    regen = spec.dataset.regenerate
-    if regen is None:
-        raise ValueError("the spec does not ask for regeneration")
-    return RegenParams(
-        max_new_tokens=regen.max_new_tokens,
-        temperature=regen.temperature,
-        engine=regen.engine,
-        seq_len=spec.dataset.seq_len,
-        fmt=spec.dataset.format,
-        max_samples=spec.dataset.max_samples,
-        seed=spec.training.seed,
-    )
+    return RegenParams(**regeneration_inputs(spec))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -33,7 +33,6 @@ from peagle_core.builders import (
     eval_categories,
     eval_prompts,
     load_verifier,
-    prepare_data,
 )
 from peagle_core.checkpoint import (
     DataPosition,
@@ -53,6 +52,7 @@ from peagle_core.io import atomic_write_json
 from peagle_core.model import PEagleDraftModel
 from peagle_core.objective import Teacher
 from peagle_core.partition import partitioned_backward
+from peagle_core.result import PipelineResult
 from peagle_core.schedule import build_scheduler
 from peagle_core.serving_check import Acceptance, ServingCheck
 from peagle_core.spec import JobSpec
@@ -66,16 +66,6 @@ from peagle_core.vllm_judge import (
 
 MetricsFn = Callable[[dict[str, Any]], None]
 EventFn = Callable[[str, str, dict[str, Any]], None]
-
-
-@dataclass
-class TrainResult:
-    status: Literal["completed", "stopped"]
-    step: int
-    checkpoint_dir: Path | None
-    export_dir: Path | None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    model: Any = field(default=None, repr=False)  # the trained drafter (this rank's copy)
 
 
 @dataclass
@@ -171,11 +161,13 @@ def train(
     on_metrics: MetricsFn | None = None,
     should_stop: Callable[[], bool] | None = None,
     resume: bool = True,
-    dataset_dir: str | Path | None = None,
+    dataset_dir: str | Path,
     cache_dir: str | Path | None = None,
     on_event: EventFn | None = None,
-) -> TrainResult:
-    """Train a drafter as `spec` says, writing checkpoints and the final export under `out_dir`."""
+) -> PipelineResult:
+    """The training stage: train a drafter as `spec` says on the prepared dataset at `dataset_dir`, writing
+    checkpoints and the final export under `out_dir`. `peagle_core.pipeline.run_pipeline` runs the whole job
+    (regeneration and data preparation first)."""
     info = dist_utils.init_distributed()
     hooks = Hooks(info, on_metrics=on_metrics, on_event=on_event, should_stop=should_stop)
     run = None
@@ -195,7 +187,7 @@ def train(
         dist_utils.shutdown()
 
 
-def _train(run: Trainer, progress: Progress) -> TrainResult:
+def _train(run: Trainer, progress: Progress) -> PipelineResult:
     """The loop: optimizer steps with evaluation and checkpoints until done or stopped, then the export."""
     spec, tc, hooks = run.spec, run.spec.training, run.hooks
     hooks.event("train", "training", total_steps=run.total_steps, world_size=run.info.world_size)
@@ -228,14 +220,15 @@ def _train(run: Trainer, progress: Progress) -> TrainResult:
     run.source.close()  # a hybrid run that ended mid-epoch still keeps what it computed
     totals = dist_utils.sum_across_ranks(_delta(run.source.counters(), run_start), run.info, run.device)
 
+    result = PipelineResult("stopped", progress.step, progress.checkpoint, model=run.model)
     if progress.stopped:
         hooks.event("stopped", f"stopped at step {progress.step}", step=progress.step)
-        export_dir, final = None, {**progress.metrics, **totals}
+        result.metrics = {**progress.metrics, **totals}
     else:
-        export_dir = export(run, progress)
-        final = {**progress.metrics, **_eval_summary(progress.evaluation), **totals}
-    status: Literal["completed", "stopped"] = "stopped" if progress.stopped else "completed"
-    return TrainResult(status, progress.step, progress.checkpoint, export_dir, final, run.model)
+        result.status = "completed"
+        result.export_dir, result.evaluation, result.serving = export(run, progress)
+        result.metrics = {**progress.metrics, **_eval_summary(progress.evaluation), **totals}
+    return result
 
 
 # ------------------------------------------------------------------------------------------------ setup
@@ -248,17 +241,14 @@ def setup(
     hooks: Hooks,
     *,
     resume: bool,
-    dataset_dir: str | Path | None,
+    dataset_dir: str | Path,
     cache_dir: str | Path | None,
 ) -> tuple[Trainer, Progress]:
     """Data, hidden states, drafter, teacher, optimizer and schedule; restored from the newest checkpoint
     under `out_dir` when `resume` finds one."""
     tc = spec.training
     device = dist_utils.device_for(info)
-    # Each stage has one owner: a worker prepares the data itself and hands the trainer `dataset_dir`.
-    if dataset_dir is None:
-        hooks.event("prepare", "preparing the dataset")
-    dataset = prepare_data(spec, out_dir, dataset_dir, info)
+    dataset = PreparedDataset.open(dataset_dir)  # the pipeline's prepare stage made it
     train_idx, val_idx = dataset.split(spec.dataset.val_fraction, tc.seed)
     if not train_idx:
         raise DataError("no training samples left after the validation split", param="dataset.val_fraction")
@@ -572,11 +562,14 @@ def _unverified(_checkpoint_dir: Path, reason: str) -> ServingCheck:
     return ServingCheck.unverified(reason)
 
 
-def export(run: Trainer, progress: Progress) -> Path | None:
-    """Rank 0 writes the validated export to out_dir/export/step_N with eval.json beside it."""
+def export(
+    run: Trainer, progress: Progress
+) -> tuple[Path | None, dict[str, Any] | None, ServingCheck | None]:
+    """Rank 0 writes the validated export to out_dir/export/step_N with eval.json beside it; returns the
+    export directory, its evaluation and the serving verdict (None, None, None on other ranks)."""
     if progress.evaluation is None:  # resumed from the final checkpoint: its evaluation is not in memory
         progress.evaluation = evaluate_drafter(run, progress.step)
-    export_dir = None
+    export_dir = evaluation = check = None
     if run.info.is_main:
         run.hooks.event("export", "exporting the drafter", step=progress.step)
         export_dir = run.out_dir / "export" / f"step_{progress.step}"
@@ -585,7 +578,7 @@ def export(run: Trainer, progress: Progress) -> Path | None:
         if run.engines.gate and run.judge is not None:
             run.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=progress.step)
             ours = ((progress.evaluation or {}).get("results") or {}).get(f"k={k}") or {}
-            serving: Callable[[Path], ServingCheck] = partial(
+            gate: Callable[[Path], ServingCheck] = partial(
                 run.judge.gate,
                 k=k,
                 # The collapse check: vLLM's acceptance against ours at K on the same prompts.
@@ -594,7 +587,12 @@ def export(run: Trainer, progress: Progress) -> Path | None:
             )
         else:
             reason = run.engines.gate_off_reason or "no serving check was run"
-            serving = partial(_unverified, reason=reason)
+            gate = partial(_unverified, reason=reason)
+        verdicts: list[ServingCheck] = []
+
+        def serving(checkpoint_dir: Path) -> ServingCheck:
+            verdicts.append(gate(checkpoint_dir))
+            return verdicts[-1]
 
         export_checkpoint(
             run.model,
@@ -607,8 +605,8 @@ def export(run: Trainer, progress: Progress) -> Path | None:
             dtype=run.spec.export.dtype,
             serving=serving,
         )
-        check = ServingCheck.load(export_dir)
-        if check is not None and check.status == "verified":
+        check = verdicts[-1]
+        if check.status == "verified":
             run.hooks.event(
                 "serving",
                 f"vLLM served the checkpoint: acceptance length {check.acceptance_length:.3f} at K={k}",
@@ -616,13 +614,11 @@ def export(run: Trainer, progress: Progress) -> Path | None:
             )
             if check.speedup and check.speedup.get("speedup") is not None:
                 run.hooks.report({"step": progress.step, f"eval/vllm_speedup@{k}": check.speedup["speedup"]})
-        evaluation = dict(progress.evaluation or {})
-        if check is not None:
-            evaluation["serving"] = check.to_dict()
+        evaluation = {**(progress.evaluation or {}), "serving": check.to_dict()}
         progress.evaluation = evaluation  # the final metrics read the speed-up from it
         atomic_write_json(export_dir / "eval.json", evaluation)
     dist_utils.barrier(run.info)
-    return export_dir
+    return export_dir, evaluation, check
 
 
 def _step_metrics(

@@ -7,8 +7,6 @@ because HF's `hidden_states[-1]` is already normed in some versions.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from functools import cached_property
 from pathlib import Path
@@ -16,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from peagle_core.config import ascending_layer_ids, default_layer_ids
 from peagle_core.errors import VerifierError
+from peagle_core.stage_keys import verifier_fingerprint
 
 if TYPE_CHECKING:
     import torch
@@ -59,10 +58,18 @@ def _aux_layer_ids(layer_ids: list[int] | None, num_layers: int) -> list[int]:
 class Verifier:
     """A loaded verifier model (eval mode, no grad) plus its tokenizer; see docs/interfaces.md."""
 
-    def __init__(self, model: Any, tokenizer: Any, name_or_path: str, layer_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name_or_path: str,
+        layer_ids: list[int] | None = None,
+        revision: str | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
+        self.revision = revision
         self.config = model.config
         text_config = self.config.get_text_config()
         self.hidden_size: int = text_config.hidden_size
@@ -133,7 +140,7 @@ class Verifier:
                 param="verifier.name_or_path",
             ) from exc
         model.to(device).eval().requires_grad_(False)
-        return cls(model, tokenizer, name_or_path, layer_ids)
+        return cls(model, tokenizer, name_or_path, layer_ids, revision)
 
     # ------------------------------------------------------------ properties
 
@@ -157,18 +164,8 @@ class Verifier:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 over the config JSON and every weight tensor's name, dtype, shape and bytes."""
-        import torch
-
-        h = hashlib.sha256()
-        config = self.config.to_dict()
-        config.pop("transformers_version", None)
-        h.update(json.dumps(config, sort_keys=True, default=str).encode())
-        for name, tensor in sorted(self.model.state_dict().items()):
-            t = tensor.detach().to("cpu").contiguous()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return h.hexdigest()
+        """The verifier's content fingerprint (`peagle_core.stage_keys.verifier_fingerprint`)."""
+        return verifier_fingerprint(self.name_or_path, self.revision)
 
     # ------------------------------------------------------------ forward passes
 

@@ -4,8 +4,9 @@ A local directory by default, any fsspec filesystem (s3:// via s3fs) when severa
 Every write lands under a temporary key and is renamed into place only when complete and verified,
 so a reader (or a DB row inserted afterwards) never sees a partial artifact. No torch import here.
 
-Key layout: `datasets/<ds_id>/data.jsonl`, `jobs/<job_id>/work/...`, `prepared/<fingerprint>/...`,
-`checkpoints/<ckpt_id>/...`.
+Key layout: `datasets/<ds_id>/data.jsonl`, `jobs/<job_id>/work/...`, `checkpoints/<ckpt_id>/...`, and
+each project's reusable stage outputs `projects/<project_id>/{regenerated,prepared,caches}/<stage key>/...`
+(`peagle_core.pipeline`; this class is its `Store`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ArtifactStore:
 
     def __init__(self, root_uri: str | os.PathLike[str], **storage_options: Any):
         self.root_uri = str(root_uri)
+        self._storage_options = storage_options
         self.fs, root = fsspec.core.url_to_fs(self.root_uri, **storage_options)
         self.root = root.rstrip("/")
         self.is_local = isinstance(self.fs, LocalFileSystem)
@@ -74,6 +76,10 @@ class ArtifactStore:
 
     def __repr__(self) -> str:
         return f"ArtifactStore({self.root_uri!r})"
+
+    def scoped(self, prefix: str) -> ArtifactStore:
+        """The store of the keys under `prefix` (a project's own stage outputs: `projects/<id>`)."""
+        return ArtifactStore(posixpath.join(self.root_uri, _check_key(prefix)), **self._storage_options)
 
     def _path(self, key: str) -> str:
         return posixpath.join(self.root, _check_key(key))

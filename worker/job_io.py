@@ -1,7 +1,7 @@
 """What a running job reports, shared by the single-process runner and the torchrun ranks.
 
-The trainer's stages, its result (`Outcome`), its events as job_events rows, the `{code, message}` of a
-failure, and the one logging format of worker processes (metrics become JSON in `service.db.jsondata`).
+The job's spec as submitted, the pipeline's events as job_events rows, the `{code, message}` of a failure,
+and the one logging format of worker processes (metrics become JSON in `service.db.jsondata`).
 """
 
 from __future__ import annotations
@@ -9,19 +9,16 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
+from peagle_core.spec import JobSpec
+from peagle_core.stage_keys import STAGES
 from service.crud.events import add_event
 from service.crud.jobs import hold
-from service.db.jsondata import json_safe
 from service.redact import redact_paths
-
-# The trainer's `on_event` kinds that are stage transitions (anything else is a log line).
-STAGES = ("regenerate", "prepare", "hidden_states", "train", "eval", "export")
 
 OnEvent = Callable[[str, str, dict[str, Any] | None], None]
 
@@ -31,26 +28,12 @@ def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-@dataclass
-class Outcome:
-    """What the training stage returned: a TrainResult, or the same fields from the torchrun ranks."""
-
-    status: str
-    step: int
-    export_dir: str | None
-    checkpoint_dir: str | None
-    metrics: dict[str, Any]
-
-    @classmethod
-    def from_train_result(cls, result: Any) -> Outcome:
-        """From `peagle_core.train.TrainResult`; paths become strings and metrics JSON data."""
-        return cls(
-            status=result.status,
-            step=int(result.step),
-            export_dir=str(result.export_dir) if result.export_dir else None,
-            checkpoint_dir=str(result.checkpoint_dir) if result.checkpoint_dir else None,
-            metrics=json_safe(dict(result.metrics or {})),
-        )
+def submitted_spec(job: Any) -> JobSpec:
+    """The job's spec as its user wrote it, validated once in this process: fields left unset stay unset
+    (`model.init_from` keeps the checkpoint's architecture for them). Rows from before the column existed
+    hold only the resolved spec."""
+    stored = job.spec_submitted if job.spec_submitted is not None else job.spec
+    return JobSpec.model_validate(stored)
 
 
 def error_for(exc: BaseException, *, stage: str) -> dict[str, Any]:

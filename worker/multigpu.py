@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -29,10 +28,11 @@ from pathlib import Path
 
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
-from peagle_core.spec import JobSpec
+from peagle_core.pipeline import PipelineResult
+from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
 from worker.cancel import PREEMPT_SIGNAL
-from worker.job_io import Outcome, error_for, event_recorder, setup_logging, write_event
+from worker.job_io import error_for, event_recorder, setup_logging, write_event
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,15 @@ def train_distributed(
     attempt: int,
     worker_name: str,
     preempted: threading.Event | None = None,
-) -> Outcome:
-    """Run `peagle_core.train.train` on `spec.resources.gpus` local ranks and return rank 0's outcome.
+) -> PipelineResult:
+    """The pipeline's training stage on `spec.resources.gpus` local ranks; returns rank 0's result.
 
-    Once `preempted` is set (the horse's PREEMPT_SIGNAL handler), the signal is forwarded to every rank."""
+    The ranks read the horse's checked spec as its user wrote it (unset fields stay unset). Once
+    `preempted` is set (the horse's PREEMPT_SIGNAL handler), the signal is forwarded to every rank."""
     result_path = out_dir / f"result-attempt{attempt}.json"
     result_path.unlink(missing_ok=True)
+    spec_path = out_dir / f"spec-attempt{attempt}.json"
+    atomic_write_json(spec_path, spec.model_dump(mode="json", exclude_unset=True))
     pid_dir = out_dir / f"ranks-attempt{attempt}"
     shutil.rmtree(pid_dir, ignore_errors=True)
     pid_dir.mkdir(parents=True)
@@ -92,7 +95,7 @@ def train_distributed(
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={spec.resources.gpus}",
         "-m", "worker.multigpu",
-        "--job-id", job_id, "--out-dir", str(out_dir), "--dataset-dir", str(dataset_dir),
+        "--job-id", job_id, "--spec", str(spec_path), "--out-dir", str(out_dir), "--dataset-dir", str(dataset_dir),
         "--attempt", str(attempt), "--worker-name", worker_name, "--result", str(result_path),
         "--pid-dir", str(pid_dir),
     ]  # fmt: skip
@@ -130,7 +133,7 @@ def train_distributed(
     if "error" in result:
         error = result["error"]
         raise PeagleError(error["message"], code=error["code"], param=error.get("param"))
-    return Outcome(**result)
+    return PipelineResult.from_dict(result)
 
 
 def forward_signal(pid_dir: Path, signum: int, *, skip: set[int]) -> set[int]:
@@ -178,7 +181,7 @@ def _announce(pid_dir: Path, rank: int) -> None:
 
 def _rank_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    for name in ("--job-id", "--out-dir", "--dataset-dir", "--worker-name", "--result", "--pid-dir"):
+    for name in ("--job-id", "--spec", "--out-dir", "--dataset-dir", "--worker-name", "--result", "--pid-dir"):
         parser.add_argument(name, required=True)
     parser.add_argument("--cache-dir")
     parser.add_argument("--attempt", type=int, required=True)
@@ -189,7 +192,6 @@ def _rank_main(argv: list[str] | None = None) -> int:
     listen_for_preemption(preempted)
 
     from peagle_core.train import train
-    from service.crud.jobs import find_job
     from service.db.session import session_factory
     from service.settings import get_settings
     from worker.cancel import JobMonitor
@@ -200,8 +202,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     sessions = session_factory(settings.database_url)
 
-    with sessions() as session:
-        spec = JobSpec.model_validate(find_job(session, args.job_id).spec)
+    spec = load_spec(args.spec)
     write_event(
         sessions,
         args.job_id,
@@ -240,7 +241,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
             progress.close(tolerance_s=settings.db_outage_tolerance_s)
         monitor.stop()
     if rank == 0:
-        atomic_write_json(args.result, dataclasses.asdict(Outcome.from_train_result(result)))
+        atomic_write_json(args.result, result.to_dict())
     return 0
 
 

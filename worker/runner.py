@@ -1,4 +1,5 @@
-"""Run one job end to end: claim it, prepare data, make hidden states available, train, publish.
+"""Run one job end to end: claim it, run `peagle_core.pipeline` with this attempt's store, callbacks and
+fencing, publish.
 
 The database is the source of truth. The claim is a conditional `queued -> running` update (two workers
 never run one job) that hands out the attempt number, the run's fencing token; every later write (status,
@@ -9,10 +10,9 @@ attempt trains in a scratch directory of its own and resumes from the checkpoint
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -21,9 +21,10 @@ from typing import Any, TypeVar
 from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import CheckpointError, DataError, VerifierError
-from peagle_core.io import atomic_dir, sha256_file
-from peagle_core.serving_check import ServingCheck
+from peagle_core.io import sha256_file
+from peagle_core.pipeline import Callbacks, Pipeline, PipelineResult, TrainStage
 from peagle_core.spec import JobSpec
+from peagle_core.stage_keys import PREPARE
 from service.artifacts import ArtifactStore
 from service.crud import jobstate
 from service.crud.checkpoints import add_checkpoint, find_checkpoint
@@ -38,11 +39,10 @@ from service.paths import check_spec_paths
 from service.queue import redis_from_url
 from service.settings import Settings
 from worker.cancel import JobMonitor
-from worker.job_io import Outcome, error_for, event_recorder, write_event
+from worker.job_io import error_for, event_recorder, submitted_spec
 from worker.mirror import CheckpointMirror, restore
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
-from worker.regen_stage import regenerated_source
 from worker.trackers import JobTrackers
 from worker.usage import local_bytes
 from worker.usage import record as record_usage
@@ -90,7 +90,7 @@ class JobRunner:
             return "skipped"
         # The claim's attempt number is this run's fencing token: every write below is conditional on it.
         self.attempt = job.attempt
-        spec = JobSpec.model_validate(job.spec)
+        spec = submitted_spec(job)
         work_dir = self._work_dir()
         monitor = JobMonitor(
             self.sessions,
@@ -117,7 +117,7 @@ class JobRunner:
         )
         try:
             try:
-                outcome = self._execute(job, spec, monitor, progress, mirror, work_dir)
+                result = self._execute(job, spec, monitor, progress, mirror, work_dir)
             finally:
                 # Every metric row and the newest checkpoint land before the job's final status is written.
                 progress.close(tolerance_s=self.settings.db_outage_tolerance_s)
@@ -129,12 +129,12 @@ class JobRunner:
                 )
                 return "lost"
             if monitor.cancel_requested.is_set():
-                return self._finish_cancelled(outcome)
-            if outcome.status == "stopped" and monitor.preempted.is_set():
-                return self._requeue_preempted(outcome)
-            if outcome.status == "stopped":
-                return self._finish_cancelled(outcome)
-            return self._publish(job, spec, outcome)
+                return self._finish_cancelled(result)
+            if result.status == "stopped" and monitor.preempted.is_set():
+                return self._requeue_preempted(result)
+            if result.status == "stopped":
+                return self._finish_cancelled(result)
+            return self._publish(job, result)
         except Exception as exc:
             log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
             error = error_for(exc, stage=self.stage)
@@ -192,38 +192,33 @@ class JobRunner:
             log.info("job %s claimed by %s (attempt %d)", self.job_id, self.worker_name, job.attempt)
         return job
 
-    def _requeue_preempted(self, outcome: Outcome) -> str:
+    def _requeue_preempted(self, result: PipelineResult) -> str:
         """The worker is shutting down: hand the job back; the reconciler re-enqueues it and the next
         attempt resumes from the checkpoint just saved."""
         moved = self._move(
             "queued",
             expect=("running",),
-            event=f"worker shutting down; checkpoint saved at step {outcome.step}, job requeued",
-            event_data={"step": outcome.step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
+            event=f"worker shutting down; checkpoint saved at step {result.step}, job requeued",
+            event_data={"step": result.step, "checkpoint_saved": bool(result.checkpoint_dir)},
         )
         return "queued" if moved else "lost"
 
-    def _finish_cancelled(self, outcome: Outcome) -> str:
-        step = outcome.step
+    def _finish_cancelled(self, result: PipelineResult) -> str:
+        step = result.step
         message = (
             f"cancelled; checkpoint saved at step {step}"
-            if outcome.checkpoint_dir
+            if result.checkpoint_dir
             else f"cancelled at step {step} before any checkpoint"
         )
         moved = self._move(
             "cancelled",
             expect=("cancelling",),
             event=message,
-            event_data={"step": step, "checkpoint_saved": bool(outcome.checkpoint_dir)},
+            event_data={"step": step, "checkpoint_saved": bool(result.checkpoint_dir)},
         )
         return "cancelled" if moved else "lost"
 
     # -- stages ------------------------------------------------------------------------------------
-
-    def _enter(self, stage: str, progress: ProgressWriter, message: str, **data: Any) -> None:
-        self.stage = stage
-        self._event("stage", message, {"stage": stage, **data})
-        progress.set_stage(stage)
 
     def _work_dir(self) -> Path:
         """This attempt's own scratch directory (earlier attempts' are removed): two attempts of one job
@@ -241,88 +236,77 @@ class JobRunner:
         monitor: JobMonitor,
         progress: ProgressWriter,
         mirror: CheckpointMirror,
-        out_dir: Path,
-    ) -> Outcome:
-        self.stage = "prepare"
+        work_dir: Path,
+    ) -> PipelineResult:
+        """The pipeline with this attempt's store, callbacks and fencing."""
+        self.stage = PREPARE
         _check_verifier_path(spec)
         # The operator may have narrowed the roots (or trust_remote_code) since the API accepted the job.
         spec = check_spec_paths(spec, self.settings, prefix="", project_id=job.project_id)
         if spec.resources.gpus > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
-        out_dir.mkdir(parents=True, exist_ok=True)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        source, source_sha = self._dataset_source(job, spec, work_dir)
 
-        data_path, source_sha = self._dataset_source(job, spec, out_dir)
-        if spec.dataset.regenerate is not None:
-            regenerated = regenerated_source(
-                self.store,
-                Path(self.settings.data_dir) / "scratch",
-                spec,
-                data_path,
-                source_sha,
-                job.project_id,
-                enter_stage=lambda stage, data: self._enter(stage, progress, "regenerating answers", **data),
-                event=self._event,
-                on_progress=lambda p: progress.set_fields(regenerate=p, eta_s=p["eta_s"]),
-                should_stop=monitor.should_stop_now,
-                on_stored=lambda key, path: self._charge(job.project_id, "regenerated", key, path),
-            )
-            if regenerated is None:
-                return Outcome(status="stopped", step=0, export_dir=None, checkpoint_dir=None, metrics={})
-            data_path, source_sha = regenerated
-        self._enter("prepare", progress, "preparing data")
-        dataset_dir, reused = self._prepared_dataset(spec, data_path, source_sha, out_dir, job.project_id)
-        if reused:
-            self._event("log", "reusing prepared data", {"dataset": dataset_dir.name})
-
-        # The trainer builds a missing offline cache itself and reports it as its `hidden_states` stage.
-        cache_dir = self._cache_dir(spec, dataset_dir, job.project_id)
-
-        resume_step = restore(self.store, job.resume_uri, out_dir)
-        mirror.start()
-        if resume_step is not None:
-            self._event(
-                "log", f"resuming from checkpoint at step {resume_step}", {"resume_step": resume_step}
-            )
-        # From here the trainer announces its own stages (hidden_states, train, eval, export).
-
-        if spec.resources.gpus > 1:
-            return train_distributed(
-                self.settings,
-                self.job_id,
-                spec,
-                out_dir,
-                dataset_dir,
-                cache_dir,
-                attempt=job.attempt,
-                worker_name=self.worker_name,
-                preempted=monitor.preempted,
-            )
-        from peagle_core.train import train
+        # Stage outputs are shared by a project's jobs only: a project never learns (from a reuse, or its
+        # speed) that another one prepared the same data.
+        scope = f"projects/{job.project_id}"
 
         def on_stage(stage: str) -> None:
             self.stage = stage
             progress.set_stage(stage)
 
-        result = train(
-            spec,
-            out_dir,
-            on_metrics=progress.on_metrics,
-            should_stop=monitor.should_stop,
+        callbacks = Callbacks(
             on_event=event_recorder(progress.add_event, on_stage=on_stage),
-            resume=True,
-            dataset_dir=dataset_dir,
-            cache_dir=cache_dir,
+            on_metrics=progress.on_metrics,
+            on_progress=lambda fields: progress.set_fields(**fields),
+            should_stop=monitor.should_stop,
+            should_stop_now=monitor.should_stop_now,
+            on_stored=lambda kind, key, local: self._stored(job.project_id, kind, f"{scope}/{key}", local),
         )
-        return Outcome.from_train_result(result)
 
-    def _event(self, type_: str, message: str, data: dict[str, Any] | None = None) -> None:
-        self._db(
-            lambda: write_event(self.sessions, self.job_id, self.attempt, type_, message, data),
-            f"writing an event of job {self.job_id}",
+        def before_train() -> None:
+            resume_step = restore(self.store, job.resume_uri, work_dir)
+            mirror.start()
+            if resume_step is not None:
+                callbacks.log(
+                    "resume", f"resuming from checkpoint at step {resume_step}", resume_step=resume_step
+                )
+
+        pipeline = Pipeline.of(
+            spec,
+            work_dir,
+            store=self.store.scoped(scope),
+            source=source,
+            source_sha256=source_sha,
+            scratch=Path(self.settings.data_dir) / "scratch" / scope,
+            callbacks=callbacks,
+            max_line_bytes=self.settings.max_line_bytes,
         )
+        train_stage = self._train_distributed(job, monitor.preempted) if spec.resources.gpus > 1 else None
+        return pipeline.run(before_train=before_train, train_stage=train_stage)
+
+    def _train_distributed(self, job: Job, preempted: threading.Event) -> TrainStage:
+        def train_stage(
+            spec: JobSpec, work_dir: Path, dataset_dir: Path, cache_dir: Path, _cb: Callbacks, _resume: bool
+        ) -> PipelineResult:
+            # The ranks report through the database themselves (worker.multigpu).
+            return train_distributed(
+                self.settings,
+                self.job_id,
+                spec,
+                work_dir,
+                dataset_dir,
+                cache_dir,
+                attempt=job.attempt,
+                worker_name=self.worker_name,
+                preempted=preempted,
+            )
+
+        return train_stage
 
     def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
-        """The JSONL to prepare from and its sha256 (the reuse key's data part)."""
+        """The JSONL to train on and its sha256 (the stage keys' source digest)."""
         if spec.dataset.path is not None:
             path = Path(spec.dataset.path)
             if not path.is_file():
@@ -341,71 +325,12 @@ class JobRunner:
             local = self.store.fetch_file(ds.uri, out_dir / "data" / "data.jsonl")
         return local, ds.sha256
 
-    def _prepared_dataset(
-        self, spec: JobSpec, data_path: Path, source_sha: str, out_dir: Path, project_id: str
-    ) -> tuple[Path, bool]:
-        """Prepared data shared by the project's jobs with the same source, tokenizer and options.
-
-        Keyed by the verifier's content, not its name, and per project: a project never learns (from a
-        reuse, or its speed) that another one prepared the same data."""
-        from peagle_core.data.prepare import prepare_for_spec, verifier_data_fingerprint
-
-        key_src = {
-            "project": project_id,
-            "source_sha256": source_sha,
-            "verifier": verifier_data_fingerprint(
-                spec.verifier.name_or_path, spec.verifier.revision, spec.verifier.trust_remote_code
-            ),
-            "seq_len": spec.dataset.seq_len,
-            "format": spec.dataset.format,
-            "max_samples": spec.dataset.max_samples,
-            "draft_vocab_size": spec.model.draft_vocab_size,
-        }
-        key = "prepared/" + hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:32]
-        local = self.store.local_path(key)
-        if local is not None:
-            if (local / "manifest.json").is_file():
-                self._charge(project_id, "prepared", key, local)
-                return local, True
-            with atomic_dir(local) as tmp:
-                prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
-            self._charge(project_id, "prepared", key, local)
-            return local, False
-        scratch = out_dir / "prepared"
-        if self.store.exists(f"{key}/manifest.json"):
-            if not (scratch / "manifest.json").is_file():
-                self.store.fetch_dir(key, scratch)
-            self._charge(project_id, "prepared", key, scratch)
-            return scratch, True
-        with atomic_dir(scratch) as tmp:
-            prepare_for_spec(spec, data_path, tmp, max_line_bytes=self.settings.max_line_bytes)
-        self.store.publish_dir(scratch, key)
-        self._charge(project_id, "prepared", key, scratch)
-        return scratch, False
-
-    def _cache_dir(self, spec: JobSpec, dataset_dir: Path, project_id: str) -> Path:
-        if spec.hidden_states.cache_uri:
-            return Path(spec.hidden_states.cache_uri)
-        manifest = json.loads((dataset_dir / "manifest.json").read_text())
-        # Per project like prepared data; a verifier whose weights changed under the same name is caught
-        # by the cache's own fingerprint check (CacheMismatchError), which hashes the weights.
-        key_src = {
-            "project": project_id,
-            "verifier": spec.verifier.name_or_path,
-            "revision": spec.verifier.revision,
-            "layer_ids": spec.verifier.layer_ids,
-            "data": manifest.get("fingerprint"),
-            "dtype": spec.hidden_states.dtype,
-        }
-        key = "caches/hs-" + hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
-        local = self.store.local_path(key)
-        path = local if local is not None else Path(self.settings.data_dir) / "scratch" / key
-        # Charged now (a reuse keeps the key alive against a concurrent delete) and after training.
-        self.cache = (project_id, key, path)
-        self._charge(project_id, "cache", key, path)
-        return path
-
     # -- storage ledger ----------------------------------------------------------------------------
+
+    def _stored(self, project_id: str, kind: str, key: str, local: Path | None) -> None:
+        if kind == "cache":  # charged again once training built (part of) it
+            self.cache = (project_id, key, local) if local is not None else None
+        self._charge(project_id, kind, key, local)
 
     def _charge(self, project_id: str, kind: str, key: str, local: Path | None = None, *,
                 nbytes: int | None = None) -> None:  # fmt: skip
@@ -427,23 +352,20 @@ class JobRunner:
 
     # -- publish -----------------------------------------------------------------------------------
 
-    def _publish(self, job: Job, spec: JobSpec, outcome: Outcome) -> str:
+    def _publish(self, job: Job, result: PipelineResult) -> str:
         """Copy the export under a temp key, verify, rename, and only then insert the row.
 
         The trainer validated the export before returning it (`peagle_core.export.export_checkpoint`).
         """
         self.stage = "publish"
-        if outcome.export_dir is None:
+        if result.export_dir is None:
             raise CheckpointError(["training completed but produced no export"])
-        export_dir = Path(outcome.export_dir)
         ckpt_id = new_id("ckpt")
         key = f"checkpoints/{ckpt_id}"
-        files = self.store.publish_dir(export_dir, key)
-        metrics = dict(outcome.metrics)
-        eval_json = export_dir / "eval.json"
-        if eval_json.is_file():
-            metrics.setdefault("eval", json.loads(eval_json.read_text()))
-        check = ServingCheck.load(export_dir)
+        files = self.store.publish_dir(result.export_dir, key)
+        metrics = dict(result.metrics)
+        if result.evaluation is not None:
+            metrics.setdefault("eval", result.evaluation)
 
         def commit() -> bool:
             with self.sessions() as session:
@@ -452,11 +374,11 @@ class JobRunner:
                     checkpoint_id=ckpt_id,
                     job_id=self.job_id,
                     project_id=job.project_id,
-                    step=outcome.step,
+                    step=result.step,
                     uri=key,
                     files=files,
                     metrics=json_safe(metrics),
-                    servable=check.status if check is not None else "unverified",
+                    servable=result.serving.status if result.serving is not None else "unverified",
                 )
                 moved = jobstate.transition(
                     session,
@@ -464,10 +386,10 @@ class JobRunner:
                     "succeeded",
                     expect=ACTIVE_STATUSES,
                     fence=self.attempt,
-                    event=f"succeeded at step {outcome.step}; checkpoint {ckpt_id} published",
-                    event_data={"checkpoint_id": ckpt_id, "step": outcome.step},
+                    event=f"succeeded at step {result.step}; checkpoint {ckpt_id} published",
+                    event_data={"checkpoint_id": ckpt_id, "step": result.step},
                     commit=False,
-                    progress={"stage": "done", "step": outcome.step, "total_steps": outcome.step, "eta_s": 0},
+                    progress={"stage": "done", "step": result.step, "total_steps": result.step, "eta_s": 0},
                 )
                 if not moved:
                     session.rollback()
@@ -480,7 +402,7 @@ class JobRunner:
             # Someone else finished the job meanwhile: no row may point at our copy.
             self.store.delete(key)
             return "lost"
-        self.published_dir = export_dir
+        self.published_dir = result.export_dir
         return "succeeded"
 
 

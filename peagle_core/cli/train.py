@@ -20,11 +20,12 @@ def train_command(
         bool, typer.Option("--no-resume", help="start over even if checkpoints exist")
     ] = False,
 ) -> None:
-    """Train a P-EAGLE drafter; checkpoints go to OUT/checkpoints, the vLLM export to OUT/export."""
+    """Train a P-EAGLE drafter; checkpoints go to OUT/checkpoints, the vLLM export to OUT/export, and the
+    reusable stage outputs (regenerated and prepared data, hidden-state cache) under OUT by stage key."""
     from tqdm import tqdm
 
+    from peagle_core.pipeline import Callbacks, run_pipeline
     from peagle_core.spec import load_spec
-    from peagle_core.train import train
 
     spec = load_spec(spec_file)
     out_dir = out or Path("runs") / (spec.name or spec_file.stem)
@@ -44,16 +45,19 @@ def train_command(
                         tok_s=f"{m['tokens_per_s']:.0f}")  # fmt: skip
 
     def on_event(kind: str, message: str, data: dict[str, Any]) -> None:
-        (tqdm.write if bar is not None else typer.echo)(f"[{kind}] {message}")
+        label = data.get("kind", kind) if kind == "log" else kind
+        (tqdm.write if bar is not None else typer.echo)(f"[{label}] {message}")
 
     try:
-        result = train(spec, out_dir, on_metrics=on_metrics, on_event=on_event, resume=not no_resume)
+        callbacks = Callbacks(on_event=on_event, on_metrics=on_metrics)
+        result = run_pipeline(spec, out_dir, callbacks=callbacks, resume=not no_resume)
     finally:
         if bar is not None:
             bar.close()
     typer.echo(json.dumps({"status": result.status, "step": result.step,
                            "export_dir": str(result.export_dir) if result.export_dir else None,
-                           "metrics": result.metrics}))  # fmt: skip
+                           "metrics": result.metrics,
+                           "servable": result.serving.status if result.serving else None}))  # fmt: skip
 
 
 def eval_command(

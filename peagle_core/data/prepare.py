@@ -22,6 +22,7 @@ from peagle_core.data.vocab import build_draft_vocab, token_counts
 from peagle_core.errors import DataError, VerifierError
 from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
 from peagle_core.spec import JobSpec
+from peagle_core.stage_keys import content_key
 
 log = logging.getLogger(__name__)
 
@@ -89,22 +90,6 @@ def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote
     if not tokenizer.chat_template:
         log.warning("verifier %s has no chat template; only pre-tokenized data can be prepared", verifier)
     return tokenizer, config.get_text_config(), (local if local.is_dir() else None)
-
-
-def verifier_data_fingerprint(
-    verifier: str | Path, revision: str | None = None, trust_remote_code: bool = False
-) -> str:
-    """What prepared data depends on in a verifier, by content: its tokenizer (vocabulary, special tokens,
-    chat template), vocabulary size and mask token. Two names for one verifier share prepared data; a
-    name whose files changed does not reuse what was prepared from the old files."""
-    tokenizer, config, verifier_dir = _load_tokenizer_and_config(str(verifier), revision, trust_remote_code)
-    vocab_size = int(config.vocab_size)
-    parts = [
-        tokenizer_fingerprint(tokenizer),
-        vocab_size,
-        find_mask_token_id(tokenizer, vocab_size, verifier_dir),
-    ]
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def prepare_dataset(
@@ -178,9 +163,8 @@ def prepare_dataset(
     covered = float(t2d[input_ids[loss_mask.bool()].long()].float().mean())
     tok_fp = tokenizer_fingerprint(tokenizer)
     source_sha = sha256_file(data_path)
-    fp = hashlib.sha256(
-        json.dumps([tok_fp, source_sha, seq_len, source_format, max_samples]).encode()
-    ).hexdigest()
+    # The data's own identity (the hidden-state cache checks it): what the tokens depend on.
+    fp = content_key("prepared_data", tok_fp, source_sha, seq_len, source_format, max_samples)
     manifest = {
         "format_version": FORMAT_VERSION,
         "num_samples": len(all_ids),

@@ -86,6 +86,10 @@ class Job(_Out):
         "`param` (the spec field at fault, when one is)."
     )
     spec: dict[str, Any] = Field(description="The resolved job spec (all defaults filled in).")
+    spec_submitted: dict[str, Any] | None = Field(
+        description="The spec as sent (fields left unset are absent): what the worker runs. Null for jobs "
+        "created before it was kept."
+    )
     created_at: datetime
     queued_at: datetime | None
     started_at: datetime | None

@@ -21,14 +21,23 @@ ACTIVE_STATUSES = ("running", "cancelling")  # a worker holds the job
 UNFINISHED_STATUSES = ("queued", *ACTIVE_STATUSES)
 
 
-def create_job(session: Session, project_id: str, spec: dict[str, Any], *, max_attempts: int) -> Job:
-    """Add a queued job and its `queued` event to the session (the caller commits)."""
+def create_job(
+    session: Session,
+    project_id: str,
+    spec: dict[str, Any],
+    *,
+    max_attempts: int,
+    submitted: dict[str, Any] | None = None,
+) -> Job:
+    """Add a queued job and its `queued` event to the session (the caller commits). `spec` is shown,
+    `submitted` (the user's own fields, when the caller kept them apart) is what the worker runs."""
     now = utcnow()
     job = Job(
         project_id=project_id,
         name=spec.get("name"),
         status="queued",
         spec=spec,
+        spec_submitted=submitted,
         attempt=0,
         max_attempts=max_attempts,
         queue=spec.get("resources", {}).get("queue", "default"),

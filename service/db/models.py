@@ -144,7 +144,12 @@ class Job(Base):
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     name: Mapped[str | None] = mapped_column(String(200), nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="queued")
-    spec: Mapped[dict[str, Any]] = mapped_column(JSONType)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSONType, doc="The resolved spec, every default filled in.")
+    spec_submitted: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONType,
+        nullable=True,
+        doc="The spec as its user sent it (unset fields left out): what the worker runs.",
+    )
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer, default=3)
     queue: Mapped[str] = mapped_column(String(64), default="default")

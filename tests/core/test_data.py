@@ -272,11 +272,11 @@ def test_deeply_nested_json_names_the_line() -> None:
 def test_prepared_data_key_follows_the_verifiers_content(toy_verifier_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from peagle_core.data.prepare import verifier_data_fingerprint
+    from peagle_core.stage_keys import verifier_fingerprint
 
     copy = tmp_path / "same-verifier-other-name"
     shutil.copytree(toy_verifier_dir, copy)
-    assert verifier_data_fingerprint(copy) == verifier_data_fingerprint(toy_verifier_dir)
+    assert verifier_fingerprint(copy) == verifier_fingerprint(toy_verifier_dir)
     # Other content (a new chat template changes every assistant mask): not the same prepared data.
     (copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    assert verifier_data_fingerprint(copy) != verifier_data_fingerprint(toy_verifier_dir)
+    assert verifier_fingerprint(copy) != verifier_fingerprint(toy_verifier_dir)

@@ -105,7 +105,11 @@ def test_offline_reads_what_online_computes(ds, toy_verifier, built, fp) -> None
     assert src.verifier_calls == 0
 
 
-def test_cache_refuses_another_verifier_or_layers(ds, toy_verifier_dir, built, fp) -> None:
+def test_cache_refuses_another_verifier_or_layers(ds, toy_verifier_dir, built, fp, tmp_path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     other_layers = Verifier.load(str(toy_verifier_dir), device="cpu", layer_ids=[1, 2, 3])
     assert list(other_layers.layer_ids) != list(fp.layer_ids)
     with pytest.raises(CacheMismatchError, match="other layer ids"):
@@ -116,9 +120,15 @@ def test_cache_refuses_another_verifier_or_layers(ds, toy_verifier_dir, built, f
             cache_dir=built,
             fingerprint=CacheFingerprint.of(other_layers, ds),
         )
-    other_weights = Verifier.load(str(toy_verifier_dir), device="cpu")
-    with torch.no_grad():
-        next(other_weights.model.parameters()).add_(1e-3)
+    # Another verifier: the same files but one weight (the fingerprint is the files' content).
+    other_dir = tmp_path / "other-verifier"
+    shutil.copytree(toy_verifier_dir, other_dir)
+    (weights,) = other_dir.glob("*.safetensors")
+    state = load_file(weights)
+    name = next(iter(sorted(state)))
+    state[name] = state[name] + 1e-3
+    save_file(state, weights, metadata={"format": "pt"})
+    other_weights = Verifier.load(str(other_dir), device="cpu")
     with pytest.raises(CacheMismatchError, match="another verifier"):
         # hybrid without a fingerprint derives it from the verifier it loads
         make_source("hybrid", ds, verifier_factory=lambda: other_weights, cache_dir=built)

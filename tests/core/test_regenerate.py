@@ -202,9 +202,11 @@ def test_vllm_and_transformers_write_the_same_text_at_temperature_0(
 def test_peagle_train_regenerates_before_preparing(
     toy_verifier_dir: Path, chat_data: Path, tmp_path: Path
 ) -> None:
-    from peagle_core.builders import prepare_data
-    from peagle_core.distributed import DistInfo
+    from peagle_core.data import PreparedDataset
+    from peagle_core.io import sha256_file
+    from peagle_core.pipeline import Callbacks, Pipeline
     from peagle_core.spec import parse_spec
+    from peagle_core.stage_keys import regenerate_key, verifier_fingerprint
 
     spec = parse_spec(
         {
@@ -218,10 +220,30 @@ def test_peagle_train_regenerates_before_preparing(
             "training": {"total_seq_len": 256},
         }
     )
-    dataset = prepare_data(spec, tmp_path, None, DistInfo())
-    regenerated = tmp_path / "regenerated" / "data.jsonl"
+    events: list[tuple[str, dict]] = []
+
+    def data_dir() -> Path:
+        # `peagle train`'s data stages: a local store in the output directory.
+        stages = Pipeline.of(
+            spec, tmp_path, callbacks=Callbacks(on_event=lambda k, m, d: events.append((k, d)))
+        )
+        path = stages.data()
+        assert path is not None
+        return path
+
+    dataset = PreparedDataset.open(data_dir())
+    key = regenerate_key(spec, sha256_file(chat_data), verifier_fingerprint(toy_verifier_dir))
+    regenerated = tmp_path / "regenerated" / key / "data.jsonl"
     assert dataset.manifest["source_path"] == str(regenerated) and len(dataset) == 4
-    assert json.loads(provenance_path(regenerated).read_text())["params"]["max_new_tokens"] == 4
+    prov = json.loads(provenance_path(regenerated).read_text())
+    assert prov["params"]["max_new_tokens"] == 4 and prov["fingerprint"] == key
+    assert [k for k, _ in events if k in ("regenerate", "prepare")] == ["regenerate", "prepare"]
+
+    # A second run (`peagle train` resumed) reuses both stages' outputs.
+    events.clear()
+    assert data_dir() == dataset.path
+    reused = {d["kind"] for k, d in events if k == "log" and d.get("reused")}
+    assert reused == {"regenerate", "prepare"} and "regenerate" not in [k for k, _ in events]
 
 
 def test_the_spec_field_accepts_true_false_or_settings_and_names_bad_ones() -> None:

@@ -69,15 +69,27 @@ def test_two_threads_share_one_verifier(toy_verifier: Verifier) -> None:
         assert all(pool.map(run, range(64)))
 
 
-def test_fingerprint_is_stable_and_weight_sensitive(toy_verifier: Verifier, toy_verifier_dir: Path) -> None:
+def test_fingerprint_is_the_files_content(
+    toy_verifier: Verifier, toy_verifier_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from peagle_core.stage_keys import verifier_fingerprint
+
     fp = toy_verifier.fingerprint
-    assert len(fp) == 64 and fp == toy_verifier.fingerprint
-    other = Verifier.load(str(toy_verifier_dir), device="cpu")
-    assert other.fingerprint == fp
-    fresh = Verifier.load(str(toy_verifier_dir), device="cpu")
-    with torch.no_grad():
-        fresh.model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
-    assert fresh.fingerprint != fp
+    assert len(fp) == 64 and fp == verifier_fingerprint(toy_verifier_dir)
+    # Another name for the same files: the same verifier. One weight changed: another verifier.
+    copy = tmp_path / "same-verifier-other-name"
+    shutil.copytree(toy_verifier_dir, copy)
+    assert Verifier.load(str(copy), device="cpu").fingerprint == fp
+    (weights,) = copy.glob("*.safetensors")
+    state = load_file(weights)
+    name = next(k for k in state if k.endswith("up_proj.weight"))
+    state[name][0, 0] += 1.0
+    save_file(state, weights, metadata={"format": "pt"})
+    assert Verifier.load(str(copy), device="cpu").fingerprint != fp
 
 
 def test_explicit_layer_ids_and_errors(toy_verifier_dir: Path, tmp_path: Path) -> None:

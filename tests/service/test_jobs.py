@@ -29,6 +29,10 @@ def test_create_returns_resolved_spec_and_enqueues(client, auth, spec, settings,
     assert rq_job.timeout == settings.job_timeout_s
     got = client.get(f"/v1/jobs/{job['id']}", headers=auth).json()
     assert got["spec"] == job["spec"] and got["queued_at"] is not None
+    # Apart from the resolved spec, the spec as sent: what the worker runs (unset fields stay unset).
+    assert got["spec_submitted"] == job["spec_submitted"] == spec
+    with session_factory(settings.database_url)() as s:
+        assert s.get(Job, job["id"]).spec_submitted == spec
 
 
 def test_invalid_spec_names_the_field(client, auth, spec) -> None:

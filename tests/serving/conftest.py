@@ -41,8 +41,8 @@ def exported_drafters(
     tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path, toy_dataset_path: Path
 ) -> dict[str, Path]:
     """Shape name -> the published (bf16) checkpoint directory of a drafter trained on the toy."""
+    from peagle_core.pipeline import run_pipeline
     from peagle_core.toy import write_toy_dataset
-    from peagle_core.train import train
 
     out = {}
     for shape in SHAPES:
@@ -62,7 +62,7 @@ def exported_drafters(
         }
         raw["evaluation"] |= {"speculative_tokens": [shape.num_depths]}
         spec = parse_spec(raw)
-        result = train(spec, tmp_path_factory.mktemp(shape.name))
+        result = run_pipeline(spec, tmp_path_factory.mktemp(shape.name))
         assert result.export_dir is not None
         out[shape.name] = result.export_dir
     return out

@@ -16,8 +16,8 @@ import torch
 from peagle_core.errors import CheckpointError
 from peagle_core.evaluate import evaluate
 from peagle_core.model import PEagleDraftModel
+from peagle_core.pipeline import run_pipeline
 from peagle_core.spec import parse_spec
-from peagle_core.train import train
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
 
 K = 3
@@ -59,7 +59,7 @@ def qwen3_drafter(tmp_path_factory, toy_verifier_dir: Path, toy_dataset_path: Pa
             total_seq_len=256,
         )
     )
-    result = train(spec, tmp_path_factory.mktemp("qwen3_job"), resume=False)
+    result = run_pipeline(spec, tmp_path_factory.mktemp("qwen3_job"), resume=False)
     assert result.status == "completed"
     return result.model.eval(), result.export_dir
 
@@ -186,7 +186,7 @@ def test_speculators_reads_our_export_and_we_evaluate_and_train_from_its_save(
     spec = parse_spec(
         job(toy_verifier_dir, toy_dataset_path, model={"init_from": str(saved)}, max_steps=2, lr=1e-7)
     )
-    result = train(spec, tmp_path / "continued", resume=False)
+    result = run_pipeline(spec, tmp_path / "continued", resume=False)
     assert result.status == "completed" and result.step == 2
     fine_tuned = PEagleDraftModel.from_pretrained(result.export_dir)
     assert fine_tuned.config.layer_type == "qwen3" and fine_tuned.config.draft_vocab_size == 256
@@ -201,7 +201,7 @@ def test_init_from_errors_name_the_field(tmp_path, qwen3_drafter, toy_verifier_d
         spec = parse_spec(job(toy_verifier_dir, toy_dataset_path, model=model, max_steps=1))
         spec.verifier.layer_ids = layer_ids
         with pytest.raises(CheckpointError) as info:
-            train(spec, tmp_path / "job", resume=False)
+            run_pipeline(spec, tmp_path / "job", resume=False)
         return info.value
 
     err = failure(init_from=str(tmp_path / "nowhere"))

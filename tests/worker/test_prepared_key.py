@@ -5,22 +5,33 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
-from peagle_core.io import sha256_file
+from peagle_core.pipeline import Callbacks, Pipeline
 from peagle_core.spec import JobSpec
+from service.artifacts import ArtifactStore
 from tests.worker.conftest import Stack, toy_spec
-from worker.runner import JobRunner
 
 
 def test_prepared_data_is_per_project_and_by_verifier_content(
     stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path
 ) -> None:
-    runner = JobRunner(stack.settings, "job_prepkey", "w1")
-    sha = sha256_file(toy_dataset_path)
+    store = ArtifactStore(stack.settings.artifact_root)
 
     def prepare(verifier: Path, project: str) -> tuple[Path, bool]:
+        # The store and scratch a worker gives a job of `project` (worker.runner.JobRunner._execute).
+        logs: list[dict[str, Any]] = []
         spec = JobSpec.model_validate(toy_spec(verifier, toy_dataset_path))
-        return runner._prepared_dataset(spec, toy_dataset_path, sha, tmp_path / project, project)
+        stages = Pipeline.of(
+            spec,
+            tmp_path / project,
+            store=store.scoped(f"projects/{project}"),
+            scratch=tmp_path / "scratch" / project,
+            callbacks=Callbacks(on_event=lambda kind, msg, data: logs.append(data)),
+        )
+        dataset = stages.data()
+        assert dataset is not None
+        return dataset, any(d.get("kind") == "prepare" and d.get("reused") for d in logs)
 
     first, reused = prepare(toy_verifier_dir, "proj_a")
     assert not reused

@@ -13,7 +13,9 @@ REGEN = {"max_new_tokens": 8}
 
 
 def _regen_dir(stack: Stack) -> Path:
-    (out,) = [d for d in (Path(stack.settings.artifact_root) / "regenerated").iterdir() if d.is_dir()]
+    # The project's own stage outputs (worker.runner): projects/<id>/regenerated/<stage key>/.
+    root = Path(stack.settings.artifact_root) / "projects" / stack.project_id / "regenerated"
+    (out,) = [d for d in root.iterdir() if d.is_dir()]
     return out
 
 
@@ -60,7 +62,7 @@ def test_cancel_during_regeneration_stops_cleanly_and_the_next_job_resumes(
     stack.worker()
 
     def first_batch_appended() -> bool:
-        logs = list(Path(stack.settings.artifact_root).glob("regenerated/*/data.jsonl.parts"))
+        logs = list(Path(stack.settings.artifact_root).glob("projects/*/regenerated/*/data.jsonl.parts"))
         return bool(logs) and logs[0].read_bytes().count(b"\n") >= 2  # the header and a conversation
 
     # Cancel as soon as the work log shows progress, while most conversations are still to do. The stage

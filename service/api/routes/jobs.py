@@ -56,7 +56,8 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
     summary="Create a training job",
     description='Body: `{"spec": JobSpec}`. The spec is validated (errors name the field, e.g. '
     "`spec.training.lr`), server paths are checked against the allowed roots, and the job is stored as "
-    "`queued` before it is enqueued. The response carries the resolved spec (defaults filled in). "
+    "`queued` before it is enqueued. The response carries the resolved spec (defaults filled in) and the "
+    "spec as sent (`spec_submitted`), which is what the worker runs. "
     "With `Idempotency-Key`, a repeat of the same body returns the original job "
     "(`Idempotent-Replayed: true`); the same key with another body is a 409.",
 )
@@ -80,15 +81,19 @@ def create_job(
         )
     if spec.dataset.id is not None:
         dataset_for_spec(db, project.id, spec, lock=True)
-    resolved = spec.model_dump(mode="json")
-    body_hash = idempotency.request_hash(resolved)
+    # The worker runs what the user wrote (an unset field means "the default", or the `init_from`
+    # checkpoint's value); the resolved spec is what GET shows.
+    submitted = spec.model_dump(mode="json", exclude_unset=True)
+    body_hash = idempotency.request_hash(submitted)
 
     if idempotency_key is not None:
         replay = _replay(db, project.id, idempotency_key, body_hash, response)
         if replay is not None:
             return replay
     check_new_job(db, project.id, spec.resources.queue)
-    job = jobs_crud.create_job(db, project.id, resolved, max_attempts=settings.max_attempts)
+    job = jobs_crud.create_job(
+        db, project.id, spec.model_dump(mode="json"), max_attempts=settings.max_attempts, submitted=submitted
+    )
     if idempotency_key is not None:
         idempotency.remember(db, project.id, idempotency_key, body_hash, job.id)
     try:

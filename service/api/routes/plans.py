@@ -83,7 +83,7 @@ def plan_job(
             redis,
             queue,
             plan.id,
-            spec.model_dump(mode="json"),
+            spec.model_dump(mode="json", exclude_unset=True),
             data,
             settings.plan_timeout_s,
             recalibrate=recalibrate,
