@@ -1,7 +1,7 @@
 """Jobs keep the spec as their user sent it (`spec_submitted`) beside the resolved one (NULL: older jobs).
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0008
+Revises: 0007
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = "0005"
-down_revision = "0004"
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 
