@@ -1,0 +1,219 @@
+"""The headline benchmark: a drafter for a real chat model, and its speed-up measured in vLLM.
+
+SmolLM2-135M-Instruct from its wheel is the verifier. ShareGPT first turns, answered again by the verifier
+(regeneration through vLLM), train a P-EAGLE drafter within a fixed budget, through the same pipeline a
+job runs (the spec is printed first, so the same job can be submitted). Then, on all 80 MT-Bench first
+turns, at every K = 1..num_depths: acceptance length per position and per category, in vLLM (its
+spec-decode counters) and in ours; whether vLLM's output equals its plain greedy output; and vLLM's output
+tokens/s with and without the drafter at batch 1 and batch 8 (median of `--repeats` timed runs, after a
+warm-up). One JSON line per figure.
+
+    python bench/real_model.py                       # the recipe in docs/decisions.md, ~60 min on 2 cores
+    python bench/real_model.py --drafter DIR         # measure an exported drafter only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from _common import emit
+
+MODEL = "smollm2-135m-instruct"
+
+
+def recipe(
+    args: argparse.Namespace, verifier: Path, data: Path, eval_prompts: list[str], *, regenerate: bool
+) -> dict[str, Any]:
+    """The job spec the bench trains with (printed, so a user can submit the same job)."""
+    regen = {"engine": "vllm", "max_new_tokens": args.regen_tokens} if regenerate else False
+    return {
+        "name": f"real-model bench ({MODEL})",
+        "verifier": {"name_or_path": str(verifier), "dtype": "float32"},
+        "dataset": {
+            "path": str(data),
+            "seq_len": args.seq_len,
+            "val_fraction": 0.0,
+            "regenerate": regen,
+        },
+        "hidden_states": {"mode": "hybrid", "dtype": "bf16"},
+        "model": {
+            "num_layers": args.num_layers,
+            "num_depths": args.num_depths,
+            "draft_vocab_size": args.draft_vocab,
+            "down_sample_ratio": args.cod_ratio,
+            "down_sample_ratio_min": args.cod_min,
+        },
+        "training": {
+            "epochs": args.epochs,
+            "max_steps": args.steps,
+            "lr": args.lr,
+            "warmup_ratio": 0.03,
+            "total_seq_len": args.total_seq_len,
+            "checkpoint_every_steps": 100,
+        },
+        "evaluation": {"prompts": eval_prompts, "max_new_tokens": args.new_tokens, "engine": "both"},
+        "export": {"dtype": "fp32", "vllm_check": True},
+    }
+
+
+def median_run(repeats: int, fn: Any) -> tuple[float, Any]:
+    """(median output tokens/s over `repeats` runs, the last run); `fn` returns (tokens, seconds, run)."""
+    rates, last = [], None
+    for _ in range(repeats):
+        tokens, seconds, last = fn()
+        rates.append(tokens / seconds)
+    return statistics.median(rates), last
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=Path("bench-real-model"), help="reused between runs")
+    p.add_argument("--drafter", type=Path, help="an exported drafter: skip training")
+    p.add_argument("--train-prompts", type=int, default=480, help="ShareGPT first turns to regenerate")
+    p.add_argument(
+        "--train-data", type=Path, help="chat JSONL already answered by the verifier (skips regeneration)"
+    )
+    p.add_argument("--regen-tokens", type=int, default=192)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--total-seq-len", type=int, default=4096)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--num-depths", type=int, default=4)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--cod-ratio", type=float, default=0.7)
+    p.add_argument("--cod-min", type=float, default=0.2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
+    p.add_argument("--timing-prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from peagle_core.catalogue.datasets import get_dataset
+    from peagle_core.catalogue.models import get_model
+    from peagle_core.eval_categories import eval_categories_figures, pool_eval, pool_runs, run_categories
+    from peagle_core.evaluate import evaluate
+    from peagle_core.model import PEagleDraftModel
+    from peagle_core.pipeline import run_pipeline
+    from peagle_core.spec import parse_spec
+    from peagle_core.verifier import Verifier
+    from peagle_core.vllm_engine import VllmEngine
+    from peagle_core.vllm_judge import agreement_gap, engine_options
+
+    t0 = time.monotonic()
+    verifier_dir = get_model(MODEL)
+    emit(bench="real_model", stage="model", verifier=str(verifier_dir), seconds=time.monotonic() - t0)
+
+    mt_path, _ = get_dataset("mt-bench", first_turn=True, prompts_only=True)
+    mt_rows = [json.loads(line) for line in mt_path.read_text().splitlines()][: args.eval_prompts]
+    texts = [r["messages"][0]["content"] for r in mt_rows]
+    categories = [r.get("category", "all") for r in mt_rows]
+
+    drafter_dir = args.drafter
+    if drafter_dir is None:
+        if args.train_data is not None:
+            train_path, regenerate = args.train_data, False
+        else:
+            train_path, _ = get_dataset(
+                "sharegpt", first_turn=True, prompts_only=True, limit=args.train_prompts
+            )
+            regenerate = True
+        spec = parse_spec(recipe(args, verifier_dir, train_path, texts[:8], regenerate=regenerate))
+        emit(bench="real_model", stage="spec", spec=spec.model_dump(mode="json", exclude_unset=True))
+        t0 = time.monotonic()
+        result = run_pipeline(spec, args.work / "run")
+        emit(bench="real_model", stage="train", seconds=round(time.monotonic() - t0, 1), status=result.status,
+             step=result.step, metrics={k: v for k, v in result.metrics.items() if isinstance(v, int | float)},
+             serving=result.serving.to_dict() if result.serving else None)  # fmt: skip
+        drafter_dir = result.export_dir
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
+    prompts = []
+    for text in texts:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    verifier = Verifier.load(str(verifier_dir), device=str(device))
+    drafter = PEagleDraftModel.from_pretrained(drafter_dir).to(device)
+    depths = drafter.config.num_depths
+    eos = verifier.tokenizer.eos_token_id
+    by_cat: dict[str, list[int]] = defaultdict(list)
+    for i, c in enumerate(categories):
+        by_cat[c].append(i)
+    by_cat = dict(by_cat)
+
+    opts = {**engine_options(device), "max_model_len": 2048}  # one engine for every prompt set
+    v = str(verifier_dir)
+    tensors = [torch.tensor(p, device=device) for p in prompts]
+    with VllmEngine() as vllm:
+        t0 = time.monotonic()
+        plain = vllm.generate(v, prompts, args.new_tokens, **opts)
+        emit(bench="real_model", stage="vllm_plain", prompts=len(prompts), seconds=time.monotonic() - t0)
+        for k in range(1, depths + 1):
+            # Each category decoded apart (vLLM's counters are per call), then pooled by drafts.
+            t0 = time.monotonic()
+            ours_parts = {c: evaluate(drafter, verifier, [tensors[i] for i in idx], k, args.new_tokens, eos)
+                          for c, idx in by_cat.items()}  # fmt: skip
+            ours = pool_eval(ours_parts, by_cat)
+            ours_s = time.monotonic() - t0
+            t0 = time.monotonic()
+            runs = {c: vllm.generate(v, [prompts[i] for i in idx], args.new_tokens, drafter=str(drafter_dir),
+                                     k=k, **opts) for c, idx in by_cat.items()}  # fmt: skip
+            theirs = pool_runs(runs, by_cat)
+            vllm_s = time.monotonic() - t0
+            emit(
+                bench="real_model",
+                k=k,
+                prompts=len(prompts),
+                vllm_acceptance_length=theirs.acceptance_length,
+                vllm_acceptance_rate_per_position=theirs.acceptance_rate_per_position,
+                peagle_acceptance_length=ours.acceptance_length,
+                peagle_acceptance_rate_per_position=ours.acceptance_rate_per_position,
+                agreement_gap=agreement_gap(ours.acceptance_length, theirs.acceptance_length),
+                lossless_prompts=sum(a == b for a, b in zip(theirs.tokens, plain.tokens, strict=True)),
+                ours_equal_vllm_prompts=sum(a == b for a, b in zip(ours.tokens, theirs.tokens, strict=True)),
+                vllm_seconds=round(vllm_s, 1),
+                peagle_eval_seconds=round(ours_s, 1),
+            )
+            if k == depths:
+                vllm_cats, ours_cats = run_categories(runs), eval_categories_figures(ours_parts)
+                for c in by_cat:
+                    emit(bench="real_model", k=k, category=c, prompts=len(by_cat[c]),
+                         vllm_acceptance_length=vllm_cats[c]["acceptance_length"],
+                         vllm_acceptance_rate_per_position=vllm_cats[c]["acceptance_rate_per_position"],
+                         peagle_acceptance_length=ours_cats[c]["acceptance_length"])  # fmt: skip
+
+        timing = prompts[: args.timing_prompts]
+        for batch in (1, 8):
+            groups = [timing[i : i + batch] for i in range(0, len(timing), batch)]
+
+            def timed(
+                drafter_path: str | None, groups: list[list[list[int]]] = groups
+            ) -> tuple[int, float, Any]:
+                extra = {"drafter": drafter_path, "k": depths} if drafter_path else {}
+                t = time.perf_counter()
+                out = [vllm.generate(v, g, args.new_tokens, **extra, **opts) for g in groups]
+                seconds = time.perf_counter() - t
+                return sum(o.num_output_tokens for o in out), seconds, out
+
+            timed(None, groups[:1])  # warm-up: the plain engine
+            base, _ = median_run(args.repeats, lambda: timed(None))
+            timed(str(drafter_dir), groups[:1])  # warm-up: the engine with the drafter
+            spec_rate, _ = median_run(args.repeats, lambda: timed(str(drafter_dir)))
+            emit(bench="real_model", batch=batch, k=depths, prompts=len(timing), repeats=args.repeats,
+                 plain_tokens_per_s=base, drafter_tokens_per_s=spec_rate, speedup=spec_rate / base)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
