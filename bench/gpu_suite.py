@@ -142,6 +142,7 @@ CAPS = {
     "hybrid_epoch": 50,
     "speculators_step": 120,  # its forward is torch.compile'd on CUDA
     "hidden_states_engines": 240,  # two vLLM starts (toy, SmolLM2 when carried) and the builds
+    "real_model": 480,  # bench/real_model.py at a GPU's scale: regenerate, train, MT-Bench in vLLM and ours
 }
 OVERFIT_RATIO = 0.15  # the CPU dry run reaches ~0.09 in 120 steps at lr 1e-2
 
@@ -383,6 +384,24 @@ def hidden_states_engines(ctx: Context, cap_s: float) -> dict[str, Any]:
     for x in lines:
         figures[f"{x['verifier']}/{x['engine']}/{x['metric']}"] = round(float(x["value"]), 2)
     return {"figures": figures}
+
+
+def real_model(ctx: Context, cap_s: float) -> dict[str, Any]:
+    """bench/real_model.py, the headline figures (acceptance length in vLLM and ours on MT-Bench, vLLM's
+    speed-up at batch 1 and 8), in a child process: it needs SmolLM2's wheel in pip's cache on the device."""
+    cmd = [sys.executable, str(ROOT / "bench" / "real_model.py"), "--work", str(ctx.work / "real-model"),
+           "--epochs", "4", "--repeats", "3"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(cap_s - 5, 5), check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise CheckFailed(f"bench/real_model.py ran past {cap_s:.0f} s") from exc
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise CheckFailed("bench/real_model.py failed", output=tail(proc.stdout + proc.stderr))
+    return {"figures": [x for x in lines if x.get("stage") != "spec"]}
 
 
 def _cuda_test_files() -> list[Path]:
@@ -1105,6 +1124,7 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
         lambda cap: hidden_states_engines(ctx, cap),
         needs=("device", "peagle_core", "vllm_cuda"),
     )
+    suite.stage("real_model", lambda cap: real_model(ctx, cap), needs=("device", "peagle_core", "vllm_cuda"))
     # Last: a child process of its own, so whatever time is left goes to it after every figure is in.
     suite.stage("cuda_tests", lambda cap: cuda_tests(ctx, cap), needs=("device", "peagle_core", "pytest"))
     return suite.summary()
