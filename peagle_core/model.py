@@ -11,15 +11,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
 
 from peagle_core.attention import AttentionLayout, Backend, CachedLayout, parallel_group_attention
 from peagle_core.config import PEagleConfig
+from peagle_core.layers import MLP, RMSNorm, apply_rotary, rotary_embedding
 from peagle_core.speculators import read_checkpoint
 
 
@@ -36,8 +31,8 @@ class PEagleAttention(nn.Module):
         self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         if config.layer_type == "qwen3":  # Qwen3 attention: RMSNorm over each head of q and k, before RoPE
-            self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -57,7 +52,7 @@ class PEagleAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if expand is not None:  # rows with identical inputs were projected once
             q, k, v = q[expand], k[expand], v[expand]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
         out = parallel_group_attention(q, k, v, layout, backend)
         return self.o_proj(out.flatten(-2))
 
@@ -71,11 +66,11 @@ class PEagleDecoderLayer(nn.Module):
         self.norm_before_residual = config.norm_before_residual
         h = config.hidden_size
         self.self_attn = PEagleAttention(config, 2 * h if self.is_first else h)
-        self.mlp = LlamaMLP(config.to_llama_config())
-        self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.mlp = MLP(h, config.intermediate_size)
+        self.input_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, eps=config.rms_norm_eps)
         if self.is_first:
-            self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -119,13 +114,13 @@ class PEagleDraftModel(nn.Module):
         self.embed_tokens = nn.Embedding(v, h)
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.layers = nn.ModuleList(PEagleDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
         self.mask_hidden = nn.Parameter(torch.empty(1, 1, 3 * h))
         # A full draft vocabulary keeps the identity map, which checkpoints leave out (vLLM has no tensor for it).
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=vd != v)
         self.register_buffer("t2d", torch.zeros(v, dtype=torch.bool), persistent=vd != v)
-        self.rotary_emb = LlamaRotaryEmbedding(config.to_llama_config())
+        self.rotary_emb = rotary_embedding(config.head_dim, dict(config.rope_parameters), config.to_llama_config)
         self.attention_backend: Backend = "auto"
         self.reset_parameters()
 
