@@ -26,9 +26,9 @@ DRAFT_VOCAB, VOCAB = 1024, 4096
 
 def _model(num_depths: int, ratio: float, ratio_min: float):
     """The drafter and a random verifier head's teacher."""
-    from peagle_core.config import PEagleConfig
-    from peagle_core.model import PEagleDraftModel
-    from peagle_core.objective import Teacher
+    from peagle_core.model.config import PEagleConfig
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.model.objective import Teacher
 
     cfg = PEagleConfig(
         hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
@@ -43,7 +43,7 @@ def _model(num_depths: int, ratio: float, ratio_min: float):
 
 def _step_flops(model, cod: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> float:
     """Useful FLOPs of one training step (forward 2, backward 4 per multiply-accumulate)."""
-    from peagle_core.attention import AttentionLayout
+    from peagle_core.model.attention import AttentionLayout
 
     anchor, depth = cod
     rows = anchor.numel()
@@ -60,7 +60,7 @@ def _step_flops(model, cod: tuple[torch.Tensor, torch.Tensor], seq_len: int) -> 
 
 
 def child(num_depths: int, ratio: float, ratio_min: float, seq_len: int, peak: float, steps: int) -> None:
-    from peagle_core.objective import distillation_loss, sample_rows
+    from peagle_core.model.objective import distillation_loss, sample_rows
 
     torch.manual_seed(0)
     model, teacher = _model(num_depths, ratio, ratio_min)

@@ -62,8 +62,8 @@ def chat_prompts(tokenizer: Any, n: int) -> list[torch.Tensor]:
 
 
 def untrained_drafter(verifier: Any, k: int) -> Any:
-    from peagle_core.config import PEagleConfig
-    from peagle_core.model import PEagleDraftModel
+    from peagle_core.model.config import PEagleConfig
+    from peagle_core.model.drafter import PEagleDraftModel
 
     torch.manual_seed(0)
     config = PEagleConfig.from_verifier(
@@ -78,10 +78,10 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from peagle_core.evaluate import _summarise, evaluate_reference
-    from peagle_core.model import PEagleDraftModel
-    from peagle_core.speculate import speculative_decode_batch
-    from peagle_core.verifier import Verifier
+    from peagle_core.evaluation.acceptance import _summarise, evaluate_reference
+    from peagle_core.evaluation.speculate import speculative_decode_batch
+    from peagle_core.hidden_states.verifier import Verifier
+    from peagle_core.model.drafter import PEagleDraftModel
 
     verifier_dir = args.verifier or toy_verifier_dir()
     verifier = Verifier.load(str(verifier_dir), device="cpu", dtype="float32")

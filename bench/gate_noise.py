@@ -24,7 +24,7 @@ from _common import emit
 
 def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Namespace):
     from peagle_core.spec import parse_spec
-    from peagle_core.train import train
+    from peagle_core.training.loop import train
 
     spec = parse_spec(
         {
@@ -88,12 +88,12 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from peagle_core.evaluate import evaluate
-    from peagle_core.export import export_checkpoint
-    from peagle_core.model import PEagleDraftModel
-    from peagle_core.serving_check import Acceptance, acceptance_floor
+    from peagle_core.evaluation.acceptance import evaluate
+    from peagle_core.hidden_states.verifier import Verifier
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.serving.export import export_checkpoint
+    from peagle_core.serving.gate import Acceptance, acceptance_floor
     from peagle_core.toy import build_corpus, build_toy_verifier, write_toy_dataset
-    from peagle_core.verifier import Verifier
     from peagle_core.vllm_engine import VllmEngine, VllmRun
 
     cache = Path(os.environ.get("PEAGLE_CACHE_DIR", Path.home() / ".cache" / "peagle")) / "toy"

@@ -220,10 +220,12 @@ def preflight(suite: Suite, dry_run: bool) -> dict[str, Any]:
         suite.have("peagle_core", False, f"missing {', '.join(missing)}: {WHEELS_HINT}")
     else:
         try:
-            importlib.import_module("peagle_core.train")
+            importlib.import_module("peagle_core.training.loop")
             suite.have("peagle_core", True)
         except Exception as exc:
-            suite.have("peagle_core", False, f"import peagle_core.train failed: {type(exc).__name__}: {exc}")
+            suite.have(
+                "peagle_core", False, f"import peagle_core.training.loop failed: {type(exc).__name__}: {exc}"
+            )
     info["peagle_core"] = suite.capabilities["peagle_core"].ok or suite.capabilities["peagle_core"].reason
     info["transformers"] = _version("transformers")
     info["pydantic"] = _version("pydantic")
@@ -476,10 +478,10 @@ def make_trainer(
 ) -> Any:
     """peagle_core's `Trainer` around an already-built verifier and source (what `train.setup` builds
     from a spec, minus loading the verifier from disk and resuming)."""
-    from peagle_core.builders import build_model, build_optimizer, build_teacher
-    from peagle_core.distributed import DistInfo
-    from peagle_core.schedule import build_scheduler
-    from peagle_core.train import Hooks, Trainer
+    from peagle_core.training.builders import build_model, build_optimizer, build_teacher
+    from peagle_core.training.distributed import DistInfo
+    from peagle_core.training.loop import Hooks, Trainer
+    from peagle_core.training.schedule import build_scheduler
 
     tc = spec.training
     info = DistInfo()
@@ -512,12 +514,12 @@ def make_trainer(
 
 def overfit(ctx: Context) -> dict[str, Any]:
     """Train the toy drafter on one packed batch until its loss collapses (bf16 autocast on CUDA)."""
-    from peagle_core.builders import epoch_bins
     from peagle_core.data import prepare_dataset
-    from peagle_core.distributed import DistInfo
-    from peagle_core.hidden_states import BatchLoader, make_source
-    from peagle_core.train import train_step
-    from peagle_core.verifier import Verifier
+    from peagle_core.hidden_states.loader import BatchLoader, make_source
+    from peagle_core.hidden_states.verifier import Verifier
+    from peagle_core.training.builders import epoch_bins
+    from peagle_core.training.distributed import DistInfo
+    from peagle_core.training.loop import train_step
 
     verifier_dir, data = _toy(ctx)
     dataset = prepare_dataset(verifier_dir, data, ctx.work / "toy-data", seq_len=128, draft_vocab_size=256)
@@ -563,8 +565,8 @@ def _finite(x: float) -> bool:
 
 def lossless_eval(ctx: Context) -> dict[str, Any]:
     """Greedy speculative decoding with the overfit drafter equals the verifier's own greedy output."""
-    from peagle_core.evaluate import evaluate, greedy_decode, held_out_prompts
-    from peagle_core.verifier import Verifier
+    from peagle_core.evaluation.acceptance import evaluate, greedy_decode, held_out_prompts
+    from peagle_core.hidden_states.verifier import Verifier
 
     if not ctx.toy:
         raise Skip("the overfit stage did not produce a drafter")
@@ -593,10 +595,10 @@ def lossless_eval(ctx: Context) -> dict[str, Any]:
 
 
 def train_e2e(ctx: Context) -> dict[str, Any]:
-    """`peagle_core.pipeline.run_pipeline` end to end on the toy, as a job runs it (hybrid hidden states, bf16
+    """`peagle_core.pipeline.stages.run_pipeline` end to end on the toy, as a job runs it (hybrid hidden states, bf16
     autocast on CUDA, checkpoints, evaluation, the validated export), then resumed from its last
     checkpoint for two more steps."""
-    from peagle_core.pipeline import Callbacks, run_pipeline
+    from peagle_core.pipeline.stages import Callbacks, run_pipeline
 
     verifier_dir, data = _toy(ctx)
     out = ctx.work / "toy-train"
@@ -632,7 +634,7 @@ def build_verifier(ctx: Context) -> dict[str, Any]:
     """A random-weight Llama built directly on the device (bf16 on CUDA, fp32 on the CPU dry run)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from peagle_core.verifier import Verifier
+    from peagle_core.hidden_states.verifier import Verifier
 
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     config = LlamaConfig(**ctx.shapes.verifier, tie_word_embeddings=False)
@@ -718,7 +720,7 @@ def _dataset(ctx: Context, seq_len: int) -> Any:
 
 
 def _fingerprint(ctx: Context, dataset: Any) -> Any:
-    from peagle_core.cache import CacheFingerprint
+    from peagle_core.hidden_states.cache import CacheFingerprint
 
     # Random weights: their name stands for them (hashing 16 GB of weights would take a minute).
     return CacheFingerprint(ctx.verifier.name_or_path, tuple(ctx.verifier.layer_ids), dataset.fingerprint)
@@ -726,8 +728,8 @@ def _fingerprint(ctx: Context, dataset: Any) -> Any:
 
 def cache_build(ctx: Context, seq_len: int) -> dict[str, Any]:
     """Hidden-state cache build with the real-scale verifier: tokens/s end to end and of the forward."""
-    from peagle_core.cache_build import build_cache
-    from peagle_core.hidden_states import VerifierCompute
+    from peagle_core.hidden_states.build import build_cache
+    from peagle_core.hidden_states.loader import VerifierCompute
 
     dataset = _dataset(ctx, seq_len)
     compute = VerifierCompute(dataset, lambda: ctx.verifier, pad_token_id=0)
@@ -772,7 +774,7 @@ def _timed_steps(
     verifier_lengths: Callable[[Any], list[int]] | None = None,
 ) -> dict[str, Any]:
     """Warm-up steps, then up to `count` timed `train_step`s (fewer if the soft cap `cap_end` nears)."""
-    from peagle_core.train import train_step
+    from peagle_core.training.loop import train_step
 
     cfg = run.model.config
 
@@ -816,15 +818,15 @@ def _timed_steps(
 
 
 def _bins(ctx: Context, spec: Any, dataset: Any, epoch: int = 0) -> list[list[int]]:
-    from peagle_core.builders import epoch_bins
-    from peagle_core.distributed import DistInfo
+    from peagle_core.training.builders import epoch_bins
+    from peagle_core.training.distributed import DistInfo
 
     return epoch_bins(list(range(len(dataset))), list(dataset.lengths), spec, epoch, DistInfo())
 
 
 def _offline_bins(ctx: Context, seq_len: int) -> tuple[Any, Any, Any, list[list[int]]]:
     """(dataset, spec, offline source, the rows to time) over the cache `cache_build` wrote."""
-    from peagle_core.hidden_states import make_source
+    from peagle_core.hidden_states.loader import make_source
 
     if seq_len not in ctx.caches:
         raise Skip(f"no complete cache for seq {seq_len} (cache_build@{seq_len} did not finish)")
@@ -841,7 +843,7 @@ def _offline_bins(ctx: Context, seq_len: int) -> tuple[Any, Any, Any, list[list[
 
 
 def _resident(ctx: Context, dataset: Any, source: Any, bins: list[list[int]], seq_len: int) -> list[Any]:
-    from peagle_core.hidden_states import BatchLoader
+    from peagle_core.hidden_states.loader import BatchLoader
 
     with contextlib.closing(iter(BatchLoader(dataset, source, bins, total_seq_len=seq_len))) as it:
         return [b.to(ctx.device) for b in it]
@@ -860,7 +862,7 @@ def cached_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
 
 def cached_loader(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """The same step fed by the prefetching loader reading the cache, as an offline job runs it."""
-    from peagle_core.hidden_states import BatchLoader
+    from peagle_core.hidden_states.loader import BatchLoader
 
     end = time.monotonic() + 0.8 * cap_s
     dataset, spec, source, bins = _offline_bins(ctx, seq_len)
@@ -880,7 +882,7 @@ def _backend(model: Any) -> str:
 
 def online_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """Verifier forward (in the loader thread) + drafter step, as `hidden_states.mode: online` runs."""
-    from peagle_core.hidden_states import BatchLoader, make_source
+    from peagle_core.hidden_states.loader import BatchLoader, make_source
 
     end = time.monotonic() + 0.8 * cap_s
     dataset = _dataset(ctx, seq_len)
@@ -904,8 +906,8 @@ def online_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
 def hybrid_epoch(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """One epoch from an empty hybrid cache (every sample computed and written back), then a second
     epoch that reads it all back; tokens/s of each."""
-    from peagle_core.hidden_states import BatchLoader, make_source
-    from peagle_core.train import train_step
+    from peagle_core.hidden_states.loader import BatchLoader, make_source
+    from peagle_core.training.loop import train_step
 
     dataset = _dataset(ctx, seq_len)
     spec = _real_spec(ctx, seq_len, "hybrid")

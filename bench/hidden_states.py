@@ -26,15 +26,15 @@ from typing import Any
 import torch
 
 from peagle_core import toy
-from peagle_core.cache import CacheFingerprint, HiddenStateCache
-from peagle_core.cache_build import build_cache
 from peagle_core.data import prepare_dataset
 from peagle_core.data.packing import pack_bins
-from peagle_core.hidden_states import BatchLoader, HybridSource, OfflineSource, VerifierCompute
-from peagle_core.hidden_states_engine import build_cache_vllm
-from peagle_core.verifier import Verifier
+from peagle_core.hidden_states.build import build_cache
+from peagle_core.hidden_states.cache import CacheFingerprint, HiddenStateCache
+from peagle_core.hidden_states.engines import build_cache_vllm
+from peagle_core.hidden_states.loader import BatchLoader, HybridSource, OfflineSource, VerifierCompute
+from peagle_core.hidden_states.verifier import Verifier
+from peagle_core.hidden_states.vllm_extract import VllmHiddenStates, VllmHiddenStatesConfig, vllm_dtype
 from peagle_core.vllm_engine import vllm_available
-from peagle_core.vllm_hidden_states import VllmHiddenStates, VllmHiddenStatesConfig, vllm_dtype
 
 SMOLLM2_DIR = Path.home() / ".cache" / "peagle" / "models" / "smollm2-135m-instruct-float32"
 

@@ -2,7 +2,7 @@
 
 Trains the default drafter (4 layers, 4 parallel depths) twice for the same number of optimizer steps, once
 on the corpus as written and once on the corpus whose assistant turns the verifier rewrote
-(`peagle_core.regenerate`), then prints one JSON line per (data, K) with the acceptance length on the same
+(`peagle_core.regeneration.rewrite`), then prints one JSON line per (data, K) with the acceptance length on the same
 held-out prompts. The budget is a step count, not wall clock, so both runs get equal training on a shared,
 loaded machine; the default (`--steps`) takes about 10 minutes per run on an idle 2-core machine.
 Regeneration is timed and reported on its own line; it is not part of the training budget.
@@ -93,11 +93,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from peagle_core.data.prepare import prepare_for_spec
-    from peagle_core.evaluate import evaluate, held_out_prompts
-    from peagle_core.regenerate import RegenParams, regenerate
+    from peagle_core.evaluation.acceptance import evaluate, held_out_prompts
+    from peagle_core.hidden_states.verifier import Verifier
+    from peagle_core.regeneration.rewrite import RegenParams, regenerate
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
-    from peagle_core.train import train
-    from peagle_core.verifier import Verifier
+    from peagle_core.training.loop import train
 
     work = args.out or Path(tempfile.mkdtemp(prefix="peagle-quality-"))
     work.mkdir(parents=True, exist_ok=True)

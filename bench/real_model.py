@@ -102,14 +102,14 @@ def main() -> None:
 
     from peagle_core.catalogue.datasets import get_dataset
     from peagle_core.catalogue.models import get_model
-    from peagle_core.eval_categories import eval_categories_figures, pool_eval, pool_runs, run_categories
-    from peagle_core.evaluate import evaluate
-    from peagle_core.model import PEagleDraftModel
-    from peagle_core.pipeline import run_pipeline
+    from peagle_core.evaluation.acceptance import evaluate
+    from peagle_core.hidden_states.verifier import Verifier
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.pipeline.stages import run_pipeline
+    from peagle_core.serving.categories import eval_categories_figures, pool_eval, pool_runs, run_categories
+    from peagle_core.serving.judge import agreement_gap, engine_options
     from peagle_core.spec import parse_spec
-    from peagle_core.verifier import Verifier
     from peagle_core.vllm_engine import VllmEngine
-    from peagle_core.vllm_judge import agreement_gap, engine_options
 
     t0 = time.monotonic()
     verifier_dir = get_model(MODEL)

@@ -21,7 +21,7 @@ from _common import emit
 
 
 def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Namespace) -> Path:
-    from peagle_core.pipeline import run_pipeline
+    from peagle_core.pipeline.stages import run_pipeline
     from peagle_core.spec import parse_spec
 
     spec = parse_spec(
@@ -68,12 +68,12 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from peagle_core.evaluate import evaluate
-    from peagle_core.model import PEagleDraftModel
+    from peagle_core.evaluation.acceptance import evaluate
+    from peagle_core.hidden_states.verifier import Verifier
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.serving.judge import agreement_gap, engine_options
     from peagle_core.toy import build_corpus, build_toy_verifier, write_toy_dataset
-    from peagle_core.verifier import Verifier
     from peagle_core.vllm_engine import VllmEngine
-    from peagle_core.vllm_judge import agreement_gap, engine_options
 
     cache = Path(os.environ.get("PEAGLE_CACHE_DIR", Path.home() / ".cache" / "peagle")) / "toy"
     verifier_dir = build_toy_verifier(args.size, seed=0, cache_dir=cache)

@@ -27,16 +27,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=400, help="conversations to cache")
     args = parser.parse_args()
 
-    from peagle_core.builders import build_model, build_optimizer, build_teacher
-    from peagle_core.cache import CacheFingerprint
-    from peagle_core.cache_build import build_cache
     from peagle_core.data import prepare_dataset
     from peagle_core.data.packing import pack_bins
-    from peagle_core.hidden_states import BatchLoader, VerifierCompute, make_source
+    from peagle_core.hidden_states.build import build_cache
+    from peagle_core.hidden_states.cache import CacheFingerprint
+    from peagle_core.hidden_states.loader import BatchLoader, VerifierCompute, make_source
+    from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.spec import parse_spec
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
-    from peagle_core.train import forward_backward
-    from peagle_core.verifier import Verifier
+    from peagle_core.training.builders import build_model, build_optimizer, build_teacher
+    from peagle_core.training.loop import forward_backward
 
     work = Path(tempfile.mkdtemp(prefix="peagle-throughput-"))
     verifier_dir = build_toy_verifier(args.toy_size)

@@ -67,7 +67,7 @@ def main() -> None:
     env = {**os.environ, "PEAGLE_DATA_DIR": str(tmp), "PEAGLE_DATABASE_URL": settings.database_url,
            "PEAGLE_REDIS_URL": settings.redis_url, "PYTHONPATH": str(REPO)}  # fmt: skip
     worker = subprocess.Popen(
-        [sys.executable, "-m", "worker.main", "rq", "default"], env=env, stdout=subprocess.DEVNULL,
+        [sys.executable, "-m", "worker.pool", "rq", "default"], env=env, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     # The claim is what is timed: a job whose verifier is missing fails right after it, keeping runs short.

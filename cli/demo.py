@@ -209,7 +209,7 @@ def _toy_inputs(size: str, work: Path) -> tuple[Path, Path]:
 def _report(
     out: Path, verifier_path: Path, ckpt: dict[str, Any], job: dict[str, Any], elapsed: float
 ) -> None:
-    from peagle_core.export import serve_command, validate_checkpoint
+    from peagle_core.serving.export import serve_command, validate_checkpoint
 
     with open(verifier_path / "config.json") as f:
         verifier_config = json.load(f)

@@ -20,8 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-from peagle_core.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings, ascending_layer_ids
 from peagle_core.errors import PeagleError
+from peagle_core.model.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings, ascending_layer_ids
 
 _QUEUE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 # Upper bounds on what a client may ask for: far above any real job, low enough that a hostile or mistyped

@@ -6,7 +6,7 @@ so a reader (or a DB row inserted afterwards) never sees a partial artifact. No 
 
 Key layout: `datasets/<ds_id>/data.jsonl`, `jobs/<job_id>/work/...`, `checkpoints/<ckpt_id>/...`, and
 each project's reusable stage outputs `projects/<project_id>/{regenerated,prepared,caches}/<stage key>/...`
-(`peagle_core.pipeline`; this class is its `Store`).
+(`peagle_core.pipeline.stages`; this class is its `Store`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from service.crud import datasets as datasets_crud
 from service.crud import idempotency, plans, usage
 from service.crud import jobs as jobs_crud
 from service.crud.limits import lock_project
-from service.db.models import Checkpoint, Dataset, Job, utcnow
+from service.db.models import TERMINAL_STATUSES, Checkpoint, Dataset, Job, utcnow
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def delete_job(session: Session, store: ArtifactStore, job: Job) -> bool:
         session.refresh(job)  # read before the lock: a concurrent request may have changed it
     except InvalidRequestError:  # deleted meanwhile
         return False
-    if job.status not in ("succeeded", "failed", "cancelled"):
+    if job.status not in TERMINAL_STATUSES:
         return False
     for ckpt in checkpoints_crud.list_for_job(session, job.id):
         store.delete(ckpt.uri)

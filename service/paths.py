@@ -108,7 +108,7 @@ def _check_path(
 
 # What makes a directory a model (a verifier, a drafter checkpoint, a tokenizer): Hugging Face's config and
 # tokenizer files and safetensors weights. A hidden-state cache holds `manifest.json` and
-# `shard-NNNNN.safetensors` (peagle_core.cache), so its own shards do not count.
+# `shard-NNNNN.safetensors` (peagle_core.hidden_states.cache), so its own shards do not count.
 _MODEL_FILES = frozenset(
     {
         "config.json",

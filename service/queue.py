@@ -12,7 +12,7 @@ from rq.job import Job as RQJob
 from rq.job import JobStatus
 
 RUN_JOB_FUNC = "worker.tasks.run_job"
-PLAN_FUNC = "worker.tasks.plan_job"
+PLAN_FUNC = "worker.tasks.run_plan"
 PLAN_RESULT_TTL_S = 24 * 3600  # a plan's answer waits this long in Redis for the API to read it
 
 # An RQ job in one of these is waiting for or held by a worker: enqueueing again would run it twice.

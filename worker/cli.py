@@ -35,7 +35,7 @@ def worker(
     """Run RQ GPU workers that execute training jobs."""
     from service.settings import get_settings
     from worker.job_io import setup_logging
-    from worker.main import group_gpus, run_pool, visible_gpus
+    from worker.pool import group_gpus, run_pool, visible_gpus
 
     setup_logging()
     gpus = visible_gpus(gpu)

@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
+from peagle_core.keys import STAGES
 from peagle_core.spec import JobSpec
-from peagle_core.stage_keys import STAGES
 from service.crud.events import add_event
 from service.crud.jobs import hold
 from service.redact import redact_paths

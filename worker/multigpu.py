@@ -28,11 +28,11 @@ from pathlib import Path
 
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
-from peagle_core.pipeline import PipelineResult
+from peagle_core.pipeline.stages import PipelineResult
 from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
-from worker.cancel import PREEMPT_SIGNAL
 from worker.job_io import error_for, event_recorder, setup_logging, write_event
+from worker.monitor import PREEMPT_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,15 @@ def _announce(pid_dir: Path, rank: int) -> None:
 
 def _rank_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
-    for name in ("--job-id", "--spec", "--out-dir", "--dataset-dir", "--worker-name", "--result", "--pid-dir"):
+    for name in (
+        "--job-id",
+        "--spec",
+        "--out-dir",
+        "--dataset-dir",
+        "--worker-name",
+        "--result",
+        "--pid-dir",
+    ):
         parser.add_argument(name, required=True)
     parser.add_argument("--cache-dir")
     parser.add_argument("--attempt", type=int, required=True)
@@ -191,10 +199,10 @@ def _rank_main(argv: list[str] | None = None) -> int:
     preempted = threading.Event()
     listen_for_preemption(preempted)
 
-    from peagle_core.train import train
+    from peagle_core.training.loop import train
     from service.db.session import session_factory
     from service.settings import get_settings
-    from worker.cancel import JobMonitor
+    from worker.monitor import JobMonitor
     from worker.progress import ProgressWriter
 
     rank = int(os.environ.get("RANK", "0"))

@@ -1,6 +1,6 @@
 """The plan task's body: plan a spec on this worker's device, reusing the rates stored for the same setup.
 
-Rates live in the artifact store under `plans/rates/<key>.json` (`peagle_core.plan.rates_key`: device,
+Rates live in the artifact store under `plans/rates/<key>.json` (`peagle_core.training.plan.rates_key`: device,
 verifier, drafter shape, lengths, regeneration), written after each calibration.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.errors import PeagleError
-from peagle_core.plan import Rates, device_name, plan_job, rates_key
 from peagle_core.spec import JobSpec
+from peagle_core.training.plan import Rates, device_name, plan_job, rates_key
 from service.artifacts import ArtifactStore
 from service.settings import Settings
 

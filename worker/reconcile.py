@@ -36,7 +36,7 @@ from service.db.session import session_factory
 from service.lifecycle import housekeeping
 from service.queue import enqueue_run, is_alive, redis_from_url, rq_status
 from service.settings import Settings
-from worker.cancel import stale_after_s
+from worker.monitor import stale_after_s
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Run one job end to end: claim it, run `peagle_core.pipeline` with this attempt's store, callbacks and
+"""Run one job end to end: claim it, run `peagle_core.pipeline.stages` with this attempt's store, callbacks and
 fencing, publish.
 
 The database is the source of truth. The claim is a conditional `queued -> running` update (two workers
@@ -22,9 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import CheckpointError, DataError, VerifierError
 from peagle_core.io import sha256_file
-from peagle_core.pipeline import Callbacks, Pipeline, PipelineResult, TrainStage
+from peagle_core.keys import PREPARE
+from peagle_core.pipeline.stages import Callbacks, Pipeline, PipelineResult, TrainStage
 from peagle_core.spec import JobSpec
-from peagle_core.stage_keys import PREPARE
 from service.artifacts import ArtifactStore
 from service.crud import jobstate
 from service.crud.checkpoints import add_checkpoint, find_checkpoint
@@ -38,9 +38,9 @@ from service.db.session import session_factory
 from service.paths import check_spec_paths
 from service.queue import redis_from_url
 from service.settings import Settings
-from worker.cancel import JobMonitor
 from worker.job_io import error_for, event_recorder, submitted_spec
 from worker.mirror import CheckpointMirror, restore
+from worker.monitor import JobMonitor
 from worker.multigpu import rank_device, train_distributed
 from worker.progress import ProgressWriter
 from worker.trackers import JobTrackers
@@ -355,7 +355,7 @@ class JobRunner:
     def _publish(self, job: Job, result: PipelineResult) -> str:
         """Copy the export under a temp key, verify, rename, and only then insert the row.
 
-        The trainer validated the export before returning it (`peagle_core.export.export_checkpoint`).
+        The trainer validated the export before returning it (`peagle_core.serving.export.export_checkpoint`).
         """
         self.stage = "publish"
         if result.export_dir is None:

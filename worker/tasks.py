@@ -22,11 +22,11 @@ def run_job(job_id: str) -> str:
     from service.settings import get_settings
     from worker.runner import JobRunner
 
-    # The RQ parent never opens a database connection (worker.main), so the horse starts with none.
+    # The RQ parent never opens a database connection (worker.pool), so the horse starts with none.
     return JobRunner(get_settings(), job_id, worker_identity()).run()
 
 
-def plan_job(spec: dict, data: dict, recalibrate: bool = False) -> dict:
+def run_plan(spec: dict, data: dict, recalibrate: bool = False) -> dict:
     """`POST /v1/jobs/plan`'s work: the plan of `spec` on this worker's device (see worker.planner)."""
     from service.settings import get_settings
     from worker.planner import plan_for_api

@@ -332,7 +332,9 @@ class JobTrackers:
                 self._call(tracker.name, "close", lambda t=tracker: t.close(status, owner=owner))
             if tracker in self.trackers and owner:
                 self._call(tracker.name, "publish", lambda t=tracker: self._publish(t))
-        if owner and "tensorboard" in self.spec.tracking.report_to:  # its event files count against the project
+        if (
+            owner and "tensorboard" in self.spec.tracking.report_to
+        ):  # its event files count against the project
             key = tensorboard_key(self.job_id)
             self._call("tensorboard", "storage record", lambda: record_usage(
                 self.sessions, self.project_id, self.job_id, "tracker", key, self.store.size_under(key)))  # fmt: skip

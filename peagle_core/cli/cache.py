@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from peagle_core.cli.common import RevisionOption, TrustRemoteCodeOption, VerifierOption
-from peagle_core.config import ascending_layer_ids
 from peagle_core.errors import CacheError
+from peagle_core.model.config import ascending_layer_ids
 
 app = typer.Typer(no_args_is_help=True, help="Hidden-state cache: build (resumable) and verify.")
 
@@ -52,13 +52,13 @@ def build(
     trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
     """Run the verifier over every sample of PREPARED and store its hidden states in OUT."""
-    from peagle_core.cache import CacheFingerprint
-    from peagle_core.cache_build import build_cache
-    from peagle_core.cache_codec import DTYPES
     from peagle_core.data.prepare import PreparedDataset
-    from peagle_core.hidden_states import VerifierCompute
+    from peagle_core.hidden_states.build import build_cache
+    from peagle_core.hidden_states.cache import CacheFingerprint
+    from peagle_core.hidden_states.codec import DTYPES
+    from peagle_core.hidden_states.loader import VerifierCompute
+    from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.io import human_bytes
-    from peagle_core.verifier import Verifier
 
     if dtype not in DTYPES:
         raise CacheError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}", param="--dtype")
@@ -101,9 +101,9 @@ def verify(
     ] = None,
 ) -> None:
     """Check checksums, tensor shapes, token ids and finite values; exit 1 naming each bad shard."""
-    from peagle_core.cache import CacheCorruptError, HiddenStateCache
-    from peagle_core.cache_build import verify_cache
     from peagle_core.data.prepare import PreparedDataset
+    from peagle_core.hidden_states.build import verify_cache
+    from peagle_core.hidden_states.cache import CacheCorruptError, HiddenStateCache
 
     cache = HiddenStateCache.open(cache_dir)
     data_dir = data or cache.manifest.get("dataset_dir")

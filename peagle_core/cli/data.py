@@ -88,8 +88,8 @@ def regenerate(
 ) -> None:
     """Rewrite every assistant turn with the verifier, turn by turn; resumes an interrupted run."""
     from peagle_core.cli.common import fail
-    from peagle_core.regenerate import RegenParams
-    from peagle_core.regenerate import regenerate as run
+    from peagle_core.regeneration.rewrite import RegenParams
+    from peagle_core.regeneration.rewrite import regenerate as run
 
     if engine not in ("transformers", "vllm"):
         fail(f"--engine must be transformers or vllm, not {engine!r}")

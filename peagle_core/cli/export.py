@@ -19,7 +19,7 @@ def validate(
     ] = None,
 ) -> None:
     """Print OK, or one line per problem and exit 1."""
-    from peagle_core.export import validate_checkpoint
+    from peagle_core.serving.export import validate_checkpoint
 
     verifier_config = None
     if verifier is not None:

@@ -24,7 +24,7 @@ def train_command(
     reusable stage outputs (regenerated and prepared data, hidden-state cache) under OUT by stage key."""
     from tqdm import tqdm
 
-    from peagle_core.pipeline import Callbacks, run_pipeline
+    from peagle_core.pipeline.stages import Callbacks, run_pipeline
     from peagle_core.spec import load_spec
 
     spec = load_spec(spec_file)
@@ -88,11 +88,11 @@ def eval_command(
     import tempfile
 
     from peagle_core.data import PreparedDataset, prepare_dataset
-    from peagle_core.evaluate import evaluate, held_out_prompts
-    from peagle_core.model import PEagleDraftModel
-    from peagle_core.verifier import Verifier
+    from peagle_core.evaluation.acceptance import evaluate, held_out_prompts
+    from peagle_core.hidden_states.verifier import Verifier
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.serving.judge import VllmJudge, agreement_gap, engine_options
     from peagle_core.vllm_engine import vllm_available
-    from peagle_core.vllm_judge import VllmJudge, agreement_gap, engine_options
 
     if engine not in ("auto", "peagle", "vllm", "both"):
         fail("--engine: choose one of auto, peagle, vllm, both")

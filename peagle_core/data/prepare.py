@@ -21,8 +21,8 @@ from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, iter_rows
 from peagle_core.data.vocab import build_draft_vocab, token_counts
 from peagle_core.errors import DataError, VerifierError
 from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
+from peagle_core.keys import content_key
 from peagle_core.spec import JobSpec
-from peagle_core.stage_keys import content_key
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from service.crud import datasets as datasets_crud
 from service.crud import events as events_crud
 from service.crud import jobs as jobs_crud
 from service.crud.projects import end_sessions, live_key, session_nonce
+from service.db.models import TERMINAL_STATUSES
 from service.ui import editor, views
 from service.ui.session import Session, UiProject, UiSession, check_csrf, save_session, secure_cookie
 
@@ -258,7 +259,7 @@ def job_page(request: Request, session: Session, project: UiProject, db: DB, job
     page_data = {
         "job_id": job.id,
         "depths": depths,
-        "terminal": job.status in ("succeeded", "failed", "cancelled"),
+        "terminal": job.status in TERMINAL_STATUSES,
     }
     return views.render(request, "job.html", session, project, nav="jobs", page_data=page_data, **context)
 

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
-from peagle_core.serve import serve_command
+from peagle_core.serving.command import serve_command
 from service.db.models import Checkpoint, Job, JobEvent, Project, utcnow
 from service.ui.session import CSRF_FIELD, UiSession, save_session
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from peagle_core.checkpoint import latest_checkpoint
 from peagle_core.spec import JobSpec, parse_spec
+from peagle_core.training.resume import latest_checkpoint
 
 
 def make_spec(verifier_dir: Path, data_path: Path, *, mode: str = "online", **training) -> JobSpec:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from client import PeagleClient
-from tests.e2e.test_up import Up
+from tests.cli.test_up import Up
 from tests.fixtures.archives import extract_archive
 
 pytestmark = pytest.mark.slow

@@ -41,7 +41,7 @@ def exported_drafters(
     tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path, toy_dataset_path: Path
 ) -> dict[str, Path]:
     """Shape name -> the published (bf16) checkpoint directory of a drafter trained on the toy."""
-    from peagle_core.pipeline import run_pipeline
+    from peagle_core.pipeline.stages import run_pipeline
     from peagle_core.toy import write_toy_dataset
 
     out = {}

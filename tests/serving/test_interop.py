@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from peagle_core.errors import CheckpointError
-from peagle_core.evaluate import evaluate
-from peagle_core.model import PEagleDraftModel
-from peagle_core.pipeline import run_pipeline
+from peagle_core.evaluation.acceptance import evaluate
+from peagle_core.model.drafter import PEagleDraftModel
+from peagle_core.pipeline.stages import run_pipeline
 from peagle_core.spec import parse_spec
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
 
@@ -71,7 +71,7 @@ def our_acceptance(model, toy_verifier, prompts: list[list[int]]) -> float:
 
 
 def untrained_llama(toy_verifier) -> PEagleDraftModel:
-    from peagle_core.config import PEagleConfig
+    from peagle_core.model.config import PEagleConfig
 
     torch.manual_seed(0)
     config = PEagleConfig.from_verifier(
@@ -93,8 +93,8 @@ def test_each_layer_type_serves_in_vllm_with_greedy_output_unchanged(
     layer_type, tmp_path, qwen3_drafter, toy_verifier, toy_verifier_dir, vllm_engine, serving_prompts,
     plain_greedy,
 ) -> None:  # fmt: skip
-    from peagle_core.export import export_checkpoint
-    from peagle_core.speculators import read_checkpoint
+    from peagle_core.model.speculators import read_checkpoint
+    from peagle_core.serving.export import export_checkpoint
 
     if layer_type == "qwen3":
         model, export_dir = qwen3_drafter

@@ -18,13 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle_core.cache import CacheFingerprint, HiddenStateCache
-from peagle_core.cache_build import build_cache, verify_cache
 from peagle_core.data.prepare import PreparedDataset
-from peagle_core.hidden_states import BatchLoader, VerifierCompute
-from peagle_core.hidden_states_engine import build_cache_vllm, make_engine_source, plan_groups
+from peagle_core.hidden_states.build import build_cache, verify_cache
+from peagle_core.hidden_states.cache import CacheFingerprint, HiddenStateCache
+from peagle_core.hidden_states.engines import build_cache_vllm, make_engine_source, plan_groups
+from peagle_core.hidden_states.loader import BatchLoader, VerifierCompute
+from peagle_core.hidden_states.vllm_extract import (
+    HiddenStatesEngineError,
+    VllmHiddenStates,
+    VllmHiddenStatesConfig,
+)
 from peagle_core.vllm_engine import vllm_available
-from peagle_core.vllm_hidden_states import HiddenStatesEngineError, VllmHiddenStates, VllmHiddenStatesConfig
 from tests.core.helpers import make_spec
 from tests.fixtures.toy import TOY_SEQ_LEN
 
@@ -99,7 +103,7 @@ def test_vllm_cache_equals_the_transformers_cache(ds, fp, hf_cache: Path, vllm_c
 def test_a_drafter_trains_the_same_from_either_engine(
     toy_verifier_dir, toy_dataset_path, prepared_dataset, hf_cache, vllm_cache, tmp_path
 ) -> None:
-    from peagle_core.train import train
+    from peagle_core.training.loop import train
 
     curves = {}
     for name, cache in (("transformers", hf_cache), ("vllm", vllm_cache)):

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from peagle_core.export import serve_command
+from peagle_core.serving.export import serve_command
 from tests.fixtures.servers import free_port, wait_until_healthy
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle_core.serving_check import Acceptance, NotServableError, ServingCheck, check_in_vllm
+from peagle_core.serving.gate import Acceptance, NotServableError, ServingCheck, check_in_vllm
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
 from tests.serving.conftest import SHAPES
 
@@ -41,8 +41,8 @@ def test_vllm_serves_every_shape_with_unchanged_greedy_output(
 def ours_at_3(exported_drafters, toy_verifier, serving_prompts):
     """Our evaluator on the serving prompts with the 1-layer drafter at K=3 (the published bf16 weights,
     as vLLM reads them)."""
-    from peagle_core.evaluate import evaluate
-    from peagle_core.model import PEagleDraftModel
+    from peagle_core.evaluation.acceptance import evaluate
+    from peagle_core.model.drafter import PEagleDraftModel
 
     drafter = PEagleDraftModel.from_pretrained(exported_drafters["draft-vocab-1-layer"])
     prompts = [torch.tensor(p) for p in serving_prompts]
@@ -54,7 +54,7 @@ def ours_at_3(exported_drafters, toy_verifier, serving_prompts):
 def test_acceptance_length_agrees_with_vllm(
     vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, ours_at_3
 ) -> None:
-    from peagle_core.vllm_judge import GAP_TOLERANCE, agreement_gap
+    from peagle_core.serving.judge import GAP_TOLERANCE, agreement_gap
 
     path, k, ours = exported_drafters["draft-vocab-1-layer"], 3, ours_at_3
     theirs = vllm_engine.generate(
@@ -96,8 +96,8 @@ def _with_full_vocab_map(src: Path, dst: Path) -> Path:
 def test_the_gate_refuses_a_checkpoint_vllm_refuses_and_publishes_nothing(
     vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, tmp_path
 ) -> None:
-    from peagle_core.export import export_checkpoint
-    from peagle_core.model import PEagleDraftModel
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.serving.export import export_checkpoint
 
     bad = _with_full_vocab_map(exported_drafters["full-vocab-4-layers"], tmp_path / "bad")
     with pytest.raises(NotServableError) as err:
@@ -155,8 +155,8 @@ def test_the_gate_fails_a_drafter_whose_acceptance_collapses_in_vllm(
 def test_a_verified_export_records_the_check_beside_the_weights(
     vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, ours_at_3, tmp_path
 ) -> None:
-    from peagle_core.export import export_checkpoint
-    from peagle_core.model import PEagleDraftModel
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.serving.export import export_checkpoint
 
     model = PEagleDraftModel.from_pretrained(exported_drafters["draft-vocab-1-layer"])
     ours = Acceptance.of(ours_at_3.to_dict())
@@ -184,7 +184,7 @@ def test_peagle_eval_reports_both_engines_on_the_same_prompts(
     import subprocess
     import sys
 
-    from peagle_core.vllm_judge import GAP_TOLERANCE
+    from peagle_core.serving.judge import GAP_TOLERANCE
 
     drafter = exported_drafters["draft-vocab-1-layer"]
     res = subprocess.run(
@@ -203,7 +203,7 @@ def test_peagle_eval_reports_both_engines_on_the_same_prompts(
 def test_the_judge_reports_categories_and_vllms_speedup_at_batch_1(
     vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, ours_at_3
 ) -> None:
-    from peagle_core.vllm_judge import VllmJudge
+    from peagle_core.serving.judge import VllmJudge
 
     categories = ["even" if i % 2 == 0 else None for i in range(len(serving_prompts))]
     judge = VllmJudge(

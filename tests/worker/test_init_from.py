@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from peagle_core.pipeline import run_pipeline
+from peagle_core.pipeline.stages import run_pipeline
 from peagle_core.spec import JobSpec
 from tests.worker.conftest import Stack, toy_spec
 
@@ -42,7 +42,7 @@ def test_a_job_fine_tunes_from_a_checkpoint_unlike_the_defaults(
     assert job["spec"]["model"]["num_layers"] == 4 and job["spec"]["model"]["draft_vocab_size"] == 32000
     assert job["spec_submitted"]["model"] == spec["model"]
     (ckpt,) = stack.checkpoints(job_id)
-    from peagle_core.speculators import read_checkpoint
+    from peagle_core.model.speculators import read_checkpoint
     from service.artifacts import ArtifactStore
 
     published = ArtifactStore(stack.settings.artifact_root).local_path(ckpt.uri)

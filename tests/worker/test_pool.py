@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.main import group_gpus, visible_gpus
+from worker.pool import group_gpus, visible_gpus
 
 
 def test_gpu_groups_give_each_worker_whole_multi_gpu_sets() -> None:

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from peagle_core.pipeline import Callbacks, Pipeline
+from peagle_core.pipeline.stages import Callbacks, Pipeline
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from tests.worker.conftest import Stack, toy_spec

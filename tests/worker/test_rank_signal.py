@@ -12,7 +12,7 @@ from tests.worker.conftest import REPO
 _RANK = """
 import signal, sys, threading
 from worker.multigpu import listen_for_preemption
-from worker.cancel import PREEMPT_SIGNAL
+from worker.monitor import PREEMPT_SIGNAL
 preempted = threading.Event()
 listen_for_preemption(preempted)
 blocked = []

@@ -53,7 +53,7 @@ _ENQUEUE_GRACE = timedelta(seconds=30)
     "(429 `plans_limit`). A plan no worker answers within the service's `plan_timeout_s` fails with "
     "`plan_timeout`.",
 )
-def plan_job(
+def create_plan(
     body: schemas.CreateJobRequest,
     request: Request,
     response: Response,

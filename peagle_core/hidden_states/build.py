@@ -1,0 +1,170 @@
+"""Building a hidden-state cache from a dataset (resumable, a shard at a time) and verifying one shard by
+shard against its manifest and the dataset's token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from peagle_core.errors import CacheError
+from peagle_core.hidden_states.cache import (
+    DEFAULT_SHARD_BYTES,
+    CacheFingerprint,
+    ComputeFn,
+    HiddenStateCache,
+    TokenDataset,
+)
+from peagle_core.hidden_states.codec import STORAGE, HiddenRecord, bytes_per_token, decode_rows
+from peagle_core.io import sha256_file
+
+
+@dataclass
+class BuildReport:
+    """What a build did: samples computed now, samples already cached, shards written."""
+
+    computed: int
+    skipped: int
+    shards_written: int
+    total_samples: int
+    total_bytes: int
+
+
+def build_cache(
+    cache_dir: str | Path,
+    dataset: TokenDataset,
+    compute: ComputeFn,
+    fingerprint: CacheFingerprint,
+    *,
+    dtype: str = "bf16",
+    batch_size: int = 8,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dataset_dir: str | None = None,
+    progress: bool = False,
+) -> BuildReport:
+    """Fill the cache with every sample of `dataset`, computing missing ones with `compute(indices)`.
+
+    Resumable: cached samples are skipped and a shard is committed (file renamed, then manifest
+    replaced) once about `shard_bytes` are buffered, so an interrupted build loses at most one shard's
+    work and a second run of a finished build computes nothing.
+    """
+    from tqdm import tqdm
+
+    if batch_size < 1:
+        raise CacheError("batch_size must be >= 1", param="batch_size")
+    cache = HiddenStateCache.create(
+        cache_dir, fingerprint, dtype=dtype, num_dataset_samples=len(dataset), dataset_dir=dataset_dir
+    )
+    todo = [i for i in range(len(dataset)) if i not in cache]
+    skipped = len(dataset) - len(todo)
+    shards = 0
+    buffer: list[tuple[int, HiddenRecord, torch.Tensor]] = []
+    buffered = 0
+    with tqdm(total=len(todo), disable=not progress, unit="sample", desc="hidden states") as bar:
+        for start in range(0, len(todo), batch_size):
+            group = todo[start : start + batch_size]
+            records = compute(group)
+            if len(records) != len(group):
+                raise CacheError(f"compute returned {len(records)} records for {len(group)} samples")
+            for i, rec in zip(group, records, strict=True):
+                ids = dataset[i][0]
+                buffer.append((i, rec, ids))
+                buffered += rec.num_tokens * bytes_per_token(dtype, rec.aux.shape[1], rec.last.shape[1])
+            if buffered >= shard_bytes:
+                shards += cache.write_shard(buffer) is not None
+                buffer, buffered = [], 0
+            bar.update(len(group))
+        if buffer:
+            shards += cache.write_shard(buffer) is not None
+    return BuildReport(len(todo), skipped, shards, len(cache), cache.total_bytes)
+
+
+def verify_cache(cache_dir: str | Path, dataset: TokenDataset | None = None) -> list[str]:
+    """Check every shard (checksum, tensor names/shapes/dtypes, offsets, finite values, token ids).
+
+    Returns one problem per line, each naming its shard (empty when the cache is sound). Token ids are
+    compared with `dataset` when given, which must also be the dataset the cache was built for.
+    """
+    path = Path(cache_dir)
+    cache = HiddenStateCache.open(path)
+    problems: list[str] = []
+    if dataset is not None and dataset.fingerprint != cache.fingerprint.dataset:
+        return [
+            f"{path}: built for other data (cache: {cache.fingerprint.dataset[:12]}, "
+            f"given: {dataset.fingerprint[:12]})"
+        ]
+    aux_dim, last_dim = cache.manifest.get("aux_dim"), cache.manifest.get("last_dim")
+    storage = STORAGE[cache.dtype]
+    for name, meta in sorted(cache.shards.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        actual = sha256_file(file)
+        if actual != meta["sha256"]:
+            problems.append(f"{name}: sha256 mismatch (file {actual[:12]}, manifest {meta['sha256'][:12]})")
+            continue
+        try:
+            problems += [
+                f"{name}: {p}"
+                for p in _check_shard(file, meta, cache.dtype, storage, aux_dim, last_dim, dataset)
+            ]
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            problems.append(f"{name}: unreadable ({exc})")
+    n = cache.manifest.get("num_dataset_samples")
+    if n is not None and dataset is not None and n != len(dataset):
+        problems.append(f"{path}: manifest counts {n} dataset samples, the dataset has {len(dataset)}")
+    return problems
+
+
+def _check_shard(
+    file: Path,
+    meta: dict[str, Any],
+    dtype: str,
+    storage: torch.dtype,
+    aux_dim: int | None,
+    last_dim: int | None,
+    dataset: TokenDataset | None,
+) -> list[str]:
+    out: list[str] = []
+    offsets = meta["offsets"]
+    rows = offsets[-1]
+    expect = {
+        "aux": ((rows, aux_dim), storage),
+        "last": ((rows, last_dim), storage),
+        "input_ids": ((rows,), torch.int32),
+        "sample_indices": ((len(meta["samples"]),), torch.int64),
+        "offsets": ((len(offsets),), torch.int64),
+    }
+    if dtype == "fp8":
+        expect["aux_scale"] = ((rows,), torch.float32)
+        expect["last_scale"] = ((rows,), torch.float32)
+    with safe_open(str(file), framework="pt") as f:
+        keys = set(f.keys())
+        if keys != set(expect):
+            return [f"tensors {sorted(keys)} != expected {sorted(expect)}"]
+        t = {k: f.get_tensor(k) for k in keys}
+    for k, (shape, dt) in expect.items():
+        if tuple(t[k].shape) != shape or t[k].dtype != dt:
+            out.append(f"{k} is {t[k].dtype} {list(t[k].shape)}, expected {dt} {list(shape)}")
+    if out:
+        return out
+    if t["sample_indices"].tolist() != meta["samples"] or t["offsets"].tolist() != offsets:
+        out.append("sample indices/offsets differ from the manifest")
+    for k in ("aux", "last"):
+        scale = t.get(f"{k}_scale")
+        if not torch.isfinite(decode_rows(t[k], scale)).all():
+            out.append(f"{k} has non-finite values")
+    if dataset is not None:
+        for k, i in enumerate(meta["samples"]):
+            if not 0 <= i < len(dataset):
+                out.append(f"sample {i} is outside the dataset (0..{len(dataset) - 1})")
+                continue
+            ids = dataset[i][0].reshape(-1).long()
+            got = t["input_ids"][offsets[k] : offsets[k + 1]].long()
+            if not torch.equal(ids, got):
+                out.append(f"sample {i}: token ids differ from the dataset")
+    return out

@@ -1,0 +1,333 @@
+"""Verifier hidden states from vLLM: child processes hosting vLLM with our KV connector, and the functions
+that build or fill a hidden-state cache with them (`hidden_states.engine: vllm`).
+
+Each child runs one `LLM` with the `extract_hidden_states` method and `PeagleHiddenStatesConnector`, which
+writes shards into the cache directory named in each request. The parent plans shard groups (about
+`shard_bytes` each), sends one group at a time per child and waits for its answer; a child that dies or
+refuses the verifier is a `HiddenStatesEngineError` carrying vLLM's own message, and a rerun resumes
+from the shards already in the manifest. Data parallelism is one child per replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from peagle_core.errors import PeagleError
+
+ENGINES = ("transformers", "vllm")
+CONNECTOR = "PeagleHiddenStatesConnector"
+CONNECTOR_MODULE = "peagle_core.hidden_states.vllm_connector"
+# The engine core runs inside the child (no further process): faster start-up, and the child can step
+# the engine itself until the connector has written a group's shard.
+_CHILD_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_CHILD_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+# Steps after `generate` returns: the connector stores a request one step after it finishes.
+_MAX_DRAIN_STEPS = 64
+
+
+class HiddenStatesEngineError(PeagleError):
+    """vLLM failed to start, refused the verifier or died while computing hidden states."""
+
+    code = "hidden_states_engine_failed"
+
+
+@dataclass(frozen=True)
+class VllmHiddenStatesConfig:
+    """What one vLLM hidden-state engine is started with."""
+
+    verifier: str
+    layer_ids: tuple[int, ...]  # our three aux layers; the child appends the last layer
+    max_model_len: int
+    dtype: str = "float32"
+    revision: str | None = None
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = True
+
+
+def vllm_dtype(spec_dtype: str, cuda: bool) -> str:
+    """The verifier dtype vLLM runs in: `auto` is bf16 on CUDA and fp32 on CPU (as the transformers engine)."""
+    if spec_dtype == "auto":
+        return "bfloat16" if cuda else "float32"
+    return spec_dtype
+
+
+class VllmHiddenStates:
+    """Parent-side handle on `data_parallel_size` vLLM children; use as a context manager.
+
+    >>> with VllmHiddenStates(config) as engine:
+    ...     engine.fill(cache_dir, [(index, token_ids), ...])
+    """
+
+    def __init__(self, config: VllmHiddenStatesConfig, *, timeout_s: float = 3600.0):
+        self.config = config
+        self.timeout_s = timeout_s
+        self._children: list[_Child] = []
+        self.hidden_size: int | None = None
+        self.num_layers: int | None = None
+        self.start_seconds = 0.0
+        self._groups = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> VllmHiddenStates:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self._children]
+
+    def start(self) -> VllmHiddenStates:
+        if self._children:
+            return self
+        from peagle_core.vllm_engine import vllm_available
+
+        if not vllm_available():
+            raise HiddenStatesEngineError("vLLM is not installed here (pip install 'peagle-service[vllm]')")
+        t0 = time.perf_counter()
+        tp, dp = self.config.tensor_parallel_size, self.config.data_parallel_size
+        try:
+            self._children = [_Child(self.config, _devices(rank, tp, dp)) for rank in range(dp)]
+            replies = [c.wait(self.timeout_s) for c in self._children]
+        except BaseException:
+            self.close()
+            raise
+        self.hidden_size = int(replies[0]["hidden_size"])
+        self.num_layers = int(replies[0]["num_layers"])
+        self.start_seconds = time.perf_counter() - t0
+        return self
+
+    def close(self) -> None:
+        children, self._children = self._children, []
+        for c in children:
+            c.close()
+
+    def fill(self, cache_dir: str | Path, items: Sequence[tuple[int, Sequence[int]]]) -> dict[str, Any]:
+        """Compute `(index, token_ids)` samples as one group; their shard is in the cache on return."""
+        if not items:
+            return {"tokens": 0, "seconds": 0.0}
+        self.start()
+        with self._lock:
+            gid = self._groups
+            self._groups += 1
+        child = self._children[gid % len(self._children)]
+        return child.fill(str(Path(cache_dir).resolve()), gid, items, self.timeout_s)
+
+    def fill_groups(
+        self,
+        cache_dir: str | Path,
+        groups: Sequence[Sequence[tuple[int, Sequence[int]]]],
+        on_group: Callable[[int], None] | None = None,
+    ) -> None:
+        """Compute several groups, one per child at a time; `on_group(n)` after each (from this thread)."""
+        self.start()
+        if len(self._children) == 1:
+            for g in groups:
+                self.fill(cache_dir, g)
+                if on_group is not None:
+                    on_group(len(g))
+            return
+        with ThreadPoolExecutor(max_workers=len(self._children)) as pool:
+            for g, _ in zip(groups, pool.map(lambda g: self.fill(cache_dir, g), groups), strict=True):
+                if on_group is not None:
+                    on_group(len(g))
+
+
+def _devices(rank: int, tp: int, dp: int) -> str | None:
+    """The CUDA devices of data-parallel replica `rank`: the rank-th block of `tp` visible devices."""
+    if dp == 1:
+        return None  # inherit the caller's CUDA_VISIBLE_DEVICES untouched
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(tp * dp)]
+    return ",".join(ids[rank * tp : (rank + 1) * tp])
+
+
+class _Child:
+    """One spawned vLLM process and its pipe."""
+
+    def __init__(self, config: VllmHiddenStatesConfig, devices: str | None):
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_child_main, args=(child, asdict(config), devices), name="peagle-vllm-hs", daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.conn.poll(1.0):
+                try:
+                    reply = self.conn.recv()
+                except (EOFError, OSError):  # the child's end closed: it died
+                    self._died()
+                if "error" in reply:
+                    raise HiddenStatesEngineError(reply["error"])
+                return reply
+            if not self.proc.is_alive():
+                self._died()
+        self.close()
+        raise HiddenStatesEngineError(f"vLLM did not answer within {timeout_s:.0f} s")
+
+    def fill(self, cache: str, gid: int, items: Sequence[tuple[int, Sequence[int]]], timeout_s: float):
+        message = {
+            "op": "fill",
+            "cache": cache,
+            "group": gid,
+            "items": [(int(i), list(map(int, t))) for i, t in items],
+        }
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, OSError):
+            self._died()
+        return self.wait(timeout_s)
+
+    def _died(self) -> None:
+        self.proc.join(timeout=5)
+        code = self.proc.exitcode
+        self.close()
+        raise HiddenStatesEngineError(f"the vLLM process exited unexpectedly (exit code {code})")
+
+    def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.conn.send({"op": "exit"})
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+# ---------------------------------------------------------------------------------------- the child
+
+
+def _child_main(conn: Any, config: dict[str, Any], devices: str | None) -> None:
+    for key, value in _CHILD_ENV.items():
+        os.environ[key] = value
+    for key, value in _CHILD_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    from peagle_core.vllm_engine import _describe
+
+    try:
+        llm, info = _build_engine(
+            VllmHiddenStatesConfig(**{**config, "layer_ids": tuple(config["layer_ids"])})
+        )
+    except Exception as exc:  # vLLM's refusal, reported verbatim
+        conn.send({"error": f"vLLM could not start on {config['verifier']}: {_describe(exc)}"})
+        return
+    conn.send(info)
+    caches: dict[str, Any] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message["op"] == "exit":
+            return
+        try:
+            conn.send(_fill(llm, caches, message))
+        except Exception as exc:
+            conn.send({"error": f"vLLM failed computing hidden states: {_describe(exc)}"})
+            return
+
+
+def _build_engine(config: VllmHiddenStatesConfig) -> tuple[Any, dict[str, Any]]:
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    hf = AutoConfig.from_pretrained(
+        config.verifier, revision=config.revision, trust_remote_code=config.trust_remote_code
+    ).get_text_config()
+    num_layers = int(hf.num_hidden_layers)
+    layer_ids = [*config.layer_ids, num_layers]  # the last decoder layer's output, before the final norm
+    kwargs: dict[str, Any] = {}
+    if config.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    llm = LLM(
+        model=config.verifier,
+        revision=config.revision,
+        dtype=config.dtype,
+        enforce_eager=config.enforce_eager,
+        max_model_len=config.max_model_len,
+        trust_remote_code=config.trust_remote_code,
+        tensor_parallel_size=config.tensor_parallel_size,
+        distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
+        # Each sample's states are computed from its own tokens: reused prefix blocks would skip them.
+        enable_prefix_caching=False,
+        seed=0,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        },
+        kv_transfer_config={
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+        },
+        **kwargs,
+    )
+    # Some refusals (CPU attention's head sizes) only come with the first forward pass: make one now, so
+    # that a verifier vLLM cannot run fails the start rather than the first group.
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [0, 1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    return llm, {"hidden_size": int(hf.hidden_size), "num_layers": num_layers}
+
+
+def _fill(llm: Any, caches: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from peagle_core.hidden_states.cache import HiddenStateCache
+    from peagle_core.hidden_states.vllm_connector import PARAMS_KEY
+
+    items = message["items"]
+    params = [
+        SamplingParams(
+            max_tokens=1,  # only the prompt's states are stored
+            temperature=0.0,
+            extra_args={
+                "kv_transfer_params": {
+                    PARAMS_KEY: {
+                        "cache": message["cache"],
+                        "index": i,
+                        "group": message["group"],
+                        "group_size": len(items),
+                    }
+                }
+            },
+        )
+        for i, _ in items
+    ]
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for _, ids in items], params, use_tqdm=False)
+    cache = caches.get(message["cache"])
+    if cache is None:
+        cache = caches[message["cache"]] = HiddenStateCache.open(message["cache"])
+    want = [i for i, _ in items]
+    for _ in range(_MAX_DRAIN_STEPS):
+        cache.refresh()
+        if all(i in cache for i in want):
+            break
+        llm.llm_engine.step()
+    else:
+        missing = [i for i in want if i not in cache]
+        raise RuntimeError(f"the connector did not store samples {missing[:8]} in {message['cache']}")
+    return {"tokens": sum(len(ids) for _, ids in items), "seconds": time.perf_counter() - t0}

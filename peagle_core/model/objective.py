@@ -1,0 +1,176 @@
+"""The training objective: which rows a step trains (COD sampling, sequence segments) and how they score.
+
+The drafter only maps rows to hidden states. This module samples the rows of a packed batch, runs the
+drafter on them, and distils the teacher (the verifier's frozen final norm and lm_head rows over the
+draft vocabulary) into the drafter's lm_head with the fused KL loss, each depth weighted equally.
+Batches are packed to batch size 1: every field is [1, T] (docs/interfaces.md, Token alignment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from peagle_core.model.attention import run_starts
+from peagle_core.model.cod import sample_cod_indices
+from peagle_core.model.config import DrafterSettings
+from peagle_core.model.loss import fused_kl_loss
+
+Rows = tuple[torch.Tensor, torch.Tensor]  # (anchor_pos, depth), grouped by depth, anchors ascending
+
+
+class Teacher(nn.Module):
+    """The verifier's frozen final RMSNorm and its lm_head rows over the draft vocabulary.
+
+    It defines the distribution the drafter learns; it is not part of the drafter's checkpoint.
+    """
+
+    def __init__(self, norm_weight: torch.Tensor, norm_eps: float, lm_head: torch.Tensor):
+        super().__init__()
+        self.register_buffer("norm_weight", norm_weight.detach().float().clone())
+        self.register_buffer("lm_head", lm_head.detach().float().clone())
+        self.norm_eps = float(norm_eps)
+
+    @classmethod
+    def from_verifier(
+        cls, final_norm: nn.Module, lm_head_weight: torch.Tensor, verifier_ids: torch.Tensor
+    ) -> Teacher:
+        """Copy the verifier's final norm and the lm_head rows `verifier_ids` (the draft vocabulary)."""
+        weight = getattr(final_norm, "weight", None)
+        if weight is None:
+            raise ValueError("the verifier's final norm has no 'weight'")
+        eps = getattr(final_norm, "variance_epsilon", None) or getattr(final_norm, "eps", None)
+        if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
+            eps = torch.finfo(torch.float32).eps
+        rows = lm_head_weight.detach()[verifier_ids.to(lm_head_weight.device)]
+        return cls(weight, eps, rows)
+
+    def forward(self, last_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The verifier's final norm of its last hidden states [T, H]; `lm_head` rows turn them into logits."""
+        x = last_hidden_states.float()
+        return (F.rms_norm(x, (x.shape[-1],), eps=self.norm_eps) * self.norm_weight).to(
+            self.norm_weight.dtype
+        )
+
+
+@dataclass
+class LossOutput:
+    """`loss` (scalar, differentiable) and `metrics` (0-dim tensors, no host sync): loss, acc_{d}, positions_{d}."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The drafter itself, also when DDP wraps it."""
+    return getattr(model, "module", model)
+
+
+def loss_positions(batch: Any) -> torch.Tensor:
+    """[T] 1 where the aligned position is a loss target, 0 elsewhere (padding never is)."""
+    return batch.loss_mask[0].to(torch.long) * (batch.document_ids[0] >= 0)
+
+
+def sample_rows(settings: DrafterSettings, batch: Any, generator: torch.Generator | None = None) -> Rows:
+    """COD rows of one packed batch: every position at depth 0, shrinking random chains deeper, chains
+    stopping at document ends (deterministic for a seeded `generator`; on CPU)."""
+    return sample_cod_indices(
+        batch.input_ids.shape[1],
+        loss_positions(batch),
+        settings.num_depths,
+        settings.down_sample_ratio,
+        settings.down_sample_ratio_min,
+        settings.max_anchors,
+        generator=generator,
+        document_ids=batch.document_ids[0],
+    )
+
+
+def segment_bounds(seq_len: int, s: int, num_segments: int) -> tuple[int, int]:
+    """The anchor range [lo, hi) of segment s of `num_segments` contiguous ranges."""
+    if not 0 <= s < num_segments:
+        raise ValueError(f"segment index {s} outside 0..{num_segments - 1}")
+    return s * seq_len // num_segments, (s + 1) * seq_len // num_segments
+
+
+def segment_rows(rows: Rows, document_ids: torch.Tensor, s: int, num_segments: int) -> Rows:
+    """Rows of segment s: its deeper rows, plus depth-0 rows from its first anchor's document start
+    (the keys its queries attend to, recomputed with grad) up to its end."""
+    anchor_pos, depth = rows
+    lo, hi = segment_bounds(document_ids.numel(), s, num_segments)
+    first = int(run_starts(document_ids)[lo]) if lo < hi else hi
+    keep = torch.where(
+        depth == 0, (anchor_pos >= first) & (anchor_pos < hi), (anchor_pos >= lo) & (anchor_pos < hi)
+    )
+    return anchor_pos[keep], depth[keep]
+
+
+def _is_loss_target(loss_mask: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Rows whose target lies inside the sequence on a loss position (rows past the end never count)."""
+    inside = target < loss_mask.numel()
+    return inside & (loss_mask[target.clamp_max(loss_mask.numel() - 1)] == 1)
+
+
+def distillation_loss(
+    model: nn.Module, teacher: Teacher, batch: Any, rows: Rows, segment: tuple[int, int] | None = None
+) -> LossOutput:
+    """KL(teacher ‖ drafter) over the loss rows among `rows`: the mean over depths of each depth's mean.
+
+    `model` is the drafter (or its DDP wrapper). `segment=(s, S)` runs only the anchors of the s-th of S
+    ranges, weighted by the whole batch's per-depth counts, so the S segment losses and metrics sum to
+    the unpartitioned ones. Accuracy: the drafter's argmax equals the teacher's.
+    """
+    if batch.input_ids.shape[0] != 1:
+        raise ValueError(f"training batches are packed to batch size 1, got {batch.input_ids.shape[0]}")
+    drafter = unwrap(model)
+    num_depths = drafter.config.num_depths
+    docs = batch.document_ids[0].to(torch.long)
+    loss_mask = loss_positions(batch)
+    device = batch.input_ids.device
+    anchor_pos, depth = rows[0].to(device), rows[1].to(device)
+    counts = torch.bincount(depth[_is_loss_target(loss_mask, anchor_pos + depth)], minlength=num_depths)
+    active_depths = (counts > 0).sum().clamp_min(1)
+
+    if segment is not None:
+        anchor_pos, depth = segment_rows((anchor_pos, depth), docs, *segment)
+        lo, hi = segment_bounds(docs.numel(), *segment)
+        in_segment = (anchor_pos >= lo) & (anchor_pos < hi)
+    else:
+        in_segment = torch.ones_like(anchor_pos, dtype=torch.bool)
+    if anchor_pos.numel() == 0:  # an empty segment contributes nothing
+        zero = drafter.lm_head.weight.sum() * 0.0
+        names = ["loss"] + [f"{m}_{d}" for m in ("acc", "positions") for d in range(num_depths)]
+        return LossOutput(zero, {name: zero.detach() for name in names})
+
+    hidden = model(
+        batch.hidden_states[0],
+        batch.input_ids[0],
+        batch.position_ids[0].to(torch.long),
+        docs,
+        anchor_pos,
+        depth,
+    )
+    target = anchor_pos + depth
+    loss_rows = torch.nonzero(in_segment & _is_loss_target(loss_mask, target)).flatten()
+    row_depth = depth[loss_rows]
+    weight = 1.0 / (counts[row_depth].float() * active_depths)
+    result = fused_kl_loss(
+        hidden[loss_rows],
+        drafter.lm_head.weight,
+        teacher(batch.verifier_last_hidden_states[0]),
+        teacher.lm_head,
+        target[loss_rows],
+        weight,
+    )
+
+    metrics: dict[str, torch.Tensor] = {"loss": result.loss.detach()}
+    seg_counts = torch.bincount(row_depth, minlength=num_depths)
+    seg_correct = torch.bincount(row_depth, weights=result.correct.float(), minlength=num_depths)
+    for d in range(num_depths):
+        metrics[f"acc_{d}"] = seg_correct[d] / counts[d].clamp_min(1)
+        metrics[f"positions_{d}"] = seg_counts[d]
+    return LossOutput(result.loss, metrics)

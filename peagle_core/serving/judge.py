@@ -1,0 +1,237 @@
+"""vLLM as a job's judge: acceptance length from vLLM's own spec-decode counters, and the publish gate.
+
+One `VllmJudge` per job holds one vLLM child process (started on first use) and the verifier's plain
+greedy output on the evaluation prompts, computed once: every drafter is compared with it.
+`resolve_engines` turns `evaluation.engine` and `export.vllm_check` into what actually runs here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from peagle_core.errors import PeagleError
+from peagle_core.serving.categories import category_groups
+from peagle_core.serving.gate import Acceptance, ServingCheck, check_in_vllm, vllm_version
+from peagle_core.vllm_engine import VllmEngine, model_len_for, vllm_available
+
+if TYPE_CHECKING:
+    import torch
+
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.spec import JobSpec
+
+GAP_TOLERANCE = 0.03  # ours and vLLM's acceptance length implement the same greedy chain
+
+
+@dataclass(frozen=True)
+class Engines:
+    """Which evaluators run for a job, and why the publish gate does not (None when it does)."""
+
+    ours: bool
+    vllm: bool
+    gate_off_reason: str | None
+
+    @property
+    def gate(self) -> bool:
+        return self.gate_off_reason is None
+
+    @property
+    def needs_vllm(self) -> bool:
+        return self.vllm or self.gate
+
+
+class EngineUnavailableError(PeagleError):
+    """`evaluation.engine` asks for vLLM where it is not installed."""
+
+    code = "invalid_spec"
+
+
+def resolve_engines(spec: JobSpec, *, available: bool | None = None) -> Engines:
+    """`auto` is `both` where vLLM is importable, else ours; an explicit `vllm`/`both` without vLLM is an
+    error naming the field. The gate runs wherever vLLM is importable unless `export.vllm_check` is off."""
+    available = vllm_available() if available is None else available
+    engine = spec.evaluation.engine
+    if engine in ("vllm", "both") and not available:
+        raise EngineUnavailableError(
+            f"evaluation.engine: {engine!r} needs vLLM, which is not installed on this worker "
+            "(pip install 'peagle-service[vllm]', or use 'auto' or 'peagle')"
+        )
+    if engine == "auto":
+        engine = "both" if available else "peagle"
+    if not spec.export.vllm_check:
+        off = "export.vllm_check is false"
+    elif not available:
+        off = "vLLM is not installed where this job ran"
+    else:
+        off = None
+    return Engines(ours=engine in ("peagle", "both"), vllm=engine in ("vllm", "both"), gate_off_reason=off)
+
+
+def engine_options(device: torch.device) -> dict[str, Any]:
+    """vLLM settings for the verifier on `device`: fp32 on the CPU (bf16 is ~100x slower there), bf16 on
+    CUDA with a memory share that leaves the training process what it already holds."""
+    if device.type != "cuda":
+        return {"dtype": "float32"}
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return {"dtype": "bfloat16", "gpu_memory_utilization": max(0.05, round(0.8 * free / total, 3))}
+
+
+class VllmJudge:
+    """Acceptance length and the serving check in vLLM, for one verifier and one set of prompts."""
+
+    def __init__(
+        self,
+        verifier: str,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        *,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        options: dict[str, Any] | None = None,
+        categories: list[str | None] | None = None,
+        engine: VllmEngine | None = None,
+    ):
+        if not prompts:
+            raise ValueError("vLLM evaluation needs at least one prompt")
+        self.verifier = verifier
+        self.prompts = prompts
+        self.groups = category_groups(categories)  # {} when no prompt has a category
+        self.max_new_tokens = max_new_tokens
+        self.options = {"revision": revision, "trust_remote_code": trust_remote_code, **(options or {})}
+        self._engine: VllmEngine | None = engine
+        self._owns_engine = engine is None  # a caller's engine outlives the judge
+        self._reference: list[list[int]] | None = None
+
+    def __enter__(self) -> VllmJudge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._engine is not None and self._owns_engine:
+            self._engine.close()
+        self._engine = None
+
+    @property
+    def engine(self) -> VllmEngine:
+        if self._engine is None:
+            self._engine, self._owns_engine = VllmEngine().start(), True
+        return self._engine
+
+    def reference(self) -> list[list[int]]:
+        """vLLM's greedy output without a drafter (computed once)."""
+        if self._reference is None:
+            run = self.engine.generate(self.verifier, self.prompts, self.max_new_tokens, **self.options)
+            self._reference = run.tokens
+        return self._reference
+
+    def gate(
+        self,
+        checkpoint_dir: str | Path,
+        k: int,
+        *,
+        ours: Acceptance | None = None,
+        measure_speedup: bool = False,
+    ) -> ServingCheck:
+        """The publish gate on a finished checkpoint directory (raises NotServableError): lossless, and
+        vLLM's acceptance length not clearly below `ours` (our evaluator's at K on these prompts). With
+        `measure_speedup`, the check also records vLLM's batch-1 speed with and without the drafter."""
+        check = check_in_vllm(
+            self.engine,
+            verifier=self.verifier,
+            checkpoint_dir=checkpoint_dir,
+            prompts=self.prompts,
+            k=k,
+            max_new_tokens=self.max_new_tokens,
+            reference=self.reference(),
+            ours=ours,
+            groups=self.groups,
+            **self.options,
+        )
+        if measure_speedup:
+            check.speedup = self.measure_speedup(checkpoint_dir, k)
+        return check
+
+    def measure_speedup(self, checkpoint_dir: str | Path, k: int) -> dict[str, Any]:
+        """vLLM's output tokens/s at batch 1 over the evaluation prompts (one request at a time, after
+        one untimed warm-up request), with the drafter at K and without it; `speedup` is their ratio."""
+        n = self.max_new_tokens
+        # One model length for both engines, so that the two differ by the drafter alone.
+        options = {"max_model_len": model_len_for(self.prompts, n, k), **self.options}
+
+        def timed(**drafter: Any) -> tuple[float, list[list[int]]]:
+            self.engine.generate(self.verifier, self.prompts[:1], n, **drafter, **options)  # warm-up
+            runs = [self.engine.generate(self.verifier, [p], n, **drafter, **options) for p in self.prompts]
+            seconds = sum(r.seconds for r in runs)
+            tokens = sum(r.num_output_tokens for r in runs)
+            return (tokens / seconds if seconds > 0 else 0.0), [r.tokens[0] for r in runs]
+
+        with_drafter, spec_tokens = timed(drafter=str(checkpoint_dir), k=k)
+        without, plain_tokens = timed()
+        return {
+            "batch_size": 1,
+            "k": k,
+            "prompts": len(self.prompts),
+            "output_tokens_per_s": with_drafter,
+            "baseline_output_tokens_per_s": without,
+            "speedup": with_drafter / without if without > 0 else None,
+            "lossless": spec_tokens == plain_tokens,
+        }
+
+    def evaluate_dir(self, checkpoint_dir: str | Path, ks: list[int]) -> dict[int, dict[str, Any]]:
+        """vLLM's figures per K for a checkpoint directory: its counters, acceptance length and per
+        position, and whether the output equalled the plain greedy output."""
+        out = {}
+        for k in ks:
+            check = self.gate(checkpoint_dir, k)
+            out[k] = {
+                "engine": check.engine,
+                "acceptance_length": check.acceptance_length,
+                "acceptance_rate_per_position": check.acceptance_rate_per_position,
+                "num_prompts": check.prompts,
+                "num_generated_tokens": check.output_tokens,
+                "drafts": check.drafts,
+                "matches_greedy": True,  # check_in_vllm raises otherwise
+            }
+            if check.categories:
+                out[k]["categories"] = check.categories
+        return out
+
+    def evaluate_model(self, model: PEagleDraftModel, ks: list[int], *, verifier_config: Any = None) -> dict:
+        """Export `model` to a temporary directory (fp32, no gate) and evaluate it there."""
+        from peagle_core.serving.export import export_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="peagle-vllm-eval-") as tmp:
+            path = Path(tmp) / "drafter"
+            export_checkpoint(
+                model,
+                path,
+                verifier_name_or_path=self.verifier,
+                verifier_config=verifier_config,
+                speculative_tokens=max(ks),
+                dtype="fp32",
+            )
+            return self.evaluate_dir(path, ks)
+
+
+def agreement_gap(ours: float, theirs: float) -> float:
+    """Relative gap between our acceptance length and vLLM's (0.03 is 3%)."""
+    return abs(ours - theirs) / max(ours, 1e-9)
+
+
+__all__ = [
+    "GAP_TOLERANCE",
+    "EngineUnavailableError",
+    "Engines",
+    "VllmJudge",
+    "agreement_gap",
+    "engine_options",
+    "resolve_engines",
+    "vllm_version",
+]

@@ -1,0 +1,215 @@
+"""The parts of a training run, built from a job spec: verifier, hidden-state source, drafter, teacher,
+optimizer, the packed batches of each epoch and the vLLM judge (the data comes from `peagle_core.pipeline.stages`).
+
+`peagle_core.training.loop` assembles them; benchmarks and tests build single parts with the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle_core.data import PreparedDataset
+from peagle_core.data.packing import pack_bins
+from peagle_core.errors import DataError
+from peagle_core.evaluation.acceptance import held_out_prompts, prompt_of
+from peagle_core.hidden_states.cache import MANIFEST, CacheFingerprint, HiddenStateCache
+from peagle_core.hidden_states.engines import (
+    build_hidden_state_cache,
+    cache_engine,
+    make_engine_source,
+    vllm_config_for,
+)
+from peagle_core.hidden_states.loader import HiddenStateSource
+from peagle_core.hidden_states.verifier import Verifier
+from peagle_core.hidden_states.vllm_extract import VllmHiddenStates
+from peagle_core.model.config import PEagleConfig
+from peagle_core.model.drafter import PEagleDraftModel
+from peagle_core.model.objective import Teacher
+from peagle_core.serving.judge import Engines, VllmJudge, engine_options, resolve_engines
+from peagle_core.spec import JobSpec
+from peagle_core.training import distributed as dist_utils
+from peagle_core.training.init_from import init_layer_ids, load_init_checkpoint
+
+
+def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:
+    """The spec's verifier on `device`, capturing its aux layers."""
+    return Verifier.load(
+        spec.verifier.name_or_path,
+        revision=spec.verifier.revision,
+        dtype=spec.verifier.dtype,
+        device=str(device),
+        # A job that starts from a checkpoint feeds it the verifier layers it was trained on by default.
+        layer_ids=spec.verifier.layer_ids or init_layer_ids(spec),
+        trust_remote_code=spec.verifier.trust_remote_code,
+    )
+
+
+def build_source(
+    spec: JobSpec, dataset: PreparedDataset, verifier: Verifier, cache_root: Path, info: dist_utils.DistInfo
+) -> HiddenStateSource:
+    """The hidden-state source of `spec.hidden_states.mode`, computing with `spec.hidden_states.engine`; an
+    offline job without a complete cache builds it first."""
+    fingerprint = CacheFingerprint.of(verifier, dataset)
+    pad = verifier.tokenizer.pad_token_id or 0
+    hs = spec.hidden_states
+    vllm = partial(
+        VllmHiddenStates, vllm_config_for(spec, verifier.layer_ids, cuda=verifier.device.type == "cuda")
+    )
+    if hs.mode == "offline" and info.is_main:
+        complete = (cache_root / MANIFEST).is_file() and HiddenStateCache.open(
+            cache_root, fingerprint
+        ).is_complete()
+        if not complete:
+            build_hidden_state_cache(
+                cache_engine(cache_root, hs.engine), cache_root, dataset, fingerprint, dtype=hs.dtype,
+                verifier_factory=lambda: verifier, vllm_factory=vllm, pad_token_id=pad,
+            )  # fmt: skip
+    dist_utils.barrier(info)
+    return make_engine_source(
+        hs.mode,
+        hs.engine,
+        dataset,
+        fingerprint=fingerprint,
+        verifier_factory=lambda: verifier,
+        vllm_factory=vllm,
+        cache_dir=cache_root,
+        dtype=hs.dtype,
+        max_cache_bytes=hs.max_cache_bytes,
+        keep_online=hs.keep_online,
+        pad_token_id=pad,
+    )
+
+
+def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device) -> PEagleDraftModel:
+    """A fresh drafter shaped by the verifier, with the data's vocab map; embeddings (and lm_head) copied
+    from the verifier as the spec asks. With `model.init_from`, the checkpoint's drafter instead."""
+    if spec.model.init_from is not None:
+        return load_init_checkpoint(spec, verifier.config, list(verifier.layer_ids)).to(device)
+    config = PEagleConfig.from_verifier(
+        verifier.config,
+        **spec.model.drafter_settings(),
+        draft_vocab_size=int(dataset.d2t.numel()),
+        mask_token_id=dataset.mask_token_id,
+        aux_layer_ids=list(verifier.layer_ids),
+        verifier_name_or_path=spec.verifier.name_or_path,
+    )
+    model = PEagleDraftModel(config)
+    model.set_vocab_map(dataset.t2d, dataset.d2t)
+    if spec.model.init_embeddings_from_verifier:
+        model.init_embeddings(verifier.embed_weight.detach().float().cpu())
+    if spec.model.init_lm_head_from_verifier:
+        model.init_lm_head(verifier.lm_head_weight)
+    return model.to(device)
+
+
+def build_teacher(verifier: Any, model: PEagleDraftModel) -> Teacher:
+    """The verifier's frozen final norm and lm_head rows over `model`'s draft vocabulary, on its device."""
+    teacher = Teacher.from_verifier(verifier.final_norm, verifier.lm_head_weight, model.verifier_ids())
+    return teacher.to(model.verifier_ids().device)
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: norms, biases and `mask_hidden` are not decayed."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or "norm" in name or name.endswith("bias") or name == "mask_hidden":
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=False)
+
+
+def epoch_bins(
+    train_indices: list[int], lengths: list[int], spec: JobSpec, epoch: int, info: dist_utils.DistInfo
+):
+    """This rank's packed batches for `epoch`, as lists of dataset indices (equal counts on every rank)."""
+    tc = spec.training
+    sub_lengths = [lengths[i] for i in train_indices]
+    bins = pack_bins(
+        sub_lengths, tc.total_seq_len, tc.seed, epoch, rank=info.rank, world_size=info.world_size
+    )
+    return [[train_indices[j] for j in b] for b in bins]
+
+
+def count_steps(spec: JobSpec, train_idx: list[int], lengths: list[int], info: dist_utils.DistInfo) -> int:
+    """Optimizer steps of the whole run: every epoch's micro-batches in groups of grad_accum, capped."""
+    tc = spec.training
+    micro_per_epoch = [len(epoch_bins(train_idx, lengths, spec, e, info)) for e in range(tc.epochs)]
+    total = sum(math.ceil(n / tc.grad_accum) for n in micro_per_epoch)
+    if tc.max_steps is not None:
+        total = min(total, tc.max_steps)
+    if total == 0:
+        raise DataError("the dataset packs into no training batches", param="dataset")
+    return total
+
+
+def eval_prompts(
+    spec: JobSpec, dataset: PreparedDataset, val_idx: list[int], verifier: Verifier
+) -> list[torch.Tensor]:
+    """Held-out prompts: the validation split's (count given), or the spec's own prompt strings."""
+    prompts = spec.evaluation.prompts
+    if isinstance(prompts, int):
+        return held_out_prompts(dataset, val_idx, limit=prompts)
+    tok = verifier.tokenizer
+    out = []
+    for item in prompts:
+        text = item if isinstance(item, str) else item.prompt
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        out.append(torch.tensor(ids, dtype=torch.long))
+    return out
+
+
+def eval_categories(spec: JobSpec, dataset: PreparedDataset, val_idx: list[int]) -> list[str | None]:
+    """The category of each of `eval_prompts`' prompts (None where it has none): the spec's own, or the
+    dataset rows' where the prepared dataset keeps them (an optional `categories` list per sample)."""
+    prompts = spec.evaluation.prompts
+    if not isinstance(prompts, int):
+        return [None if isinstance(p, str) else p.category for p in prompts]
+    per_sample = getattr(dataset, "categories", None)
+    out: list[str | None] = []
+    for i in val_idx:  # the samples held_out_prompts keeps, in its order
+        if len(out) >= prompts:
+            break
+        if prompt_of(*dataset[i]) is not None:
+            out.append(per_sample[i] if per_sample is not None else None)
+    return out
+
+
+def build_judge(
+    spec: JobSpec,
+    prompts: list[torch.Tensor],
+    device: torch.device,
+    *,
+    is_main: bool,
+    categories: list[str | None] | None = None,
+) -> tuple[Engines, VllmJudge | None]:
+    """Which engines evaluate and gate this run, and the vLLM judge when one is needed (main rank only; it
+    starts its engine on first use). Without evaluation prompts there is nothing for vLLM to check with."""
+    engines = resolve_engines(spec)
+    if not prompts:
+        engines = Engines(
+            ours=engines.ours, vllm=False, gate_off_reason="no evaluation prompts to check with"
+        )
+    if not (engines.needs_vllm and is_main):
+        return engines, None
+    judge = VllmJudge(
+        spec.verifier.name_or_path,
+        [p.tolist() for p in prompts],
+        spec.evaluation.max_new_tokens,
+        revision=spec.verifier.revision,
+        trust_remote_code=spec.verifier.trust_remote_code,
+        options=engine_options(device),
+        categories=categories,
+    )
+    return engines, judge
