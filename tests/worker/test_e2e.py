@@ -103,6 +103,11 @@ def test_without_the_gate_a_checkpoint_is_published_unverified(
         "output_tokens": 0,
         "acceptance_length": None,
         "acceptance_rate_per_position": [],
+        "drafts": 0,
+        "ours_acceptance_length": None,
+        "acceptance_floor": None,
+        "categories": {},
+        "speedup": None,
     }
 
 
