@@ -40,6 +40,26 @@ def longest_files(root: Path, n: int = 5) -> list[tuple[str, int]]:
     return sorted(sizes, key=lambda s: -s[1])[:n]
 
 
+def modules_per_package(root: Path) -> dict[str, int]:
+    """Modules (.py files, __init__ included) in each package and sub-package, by dotted name."""
+    counts: dict[str, int] = {}
+    for p in source_files(root):
+        pkg = ".".join(p.relative_to(root).parent.parts)
+        counts[pkg] = counts.get(pkg, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def longest_functions(root: Path, n: int = 5) -> list[tuple[str, int]]:
+    """The `n` longest functions or methods (lines from `def` to the last line of the body)."""
+    sizes = []
+    for p in source_files(root):
+        rel = str(p.relative_to(root))
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                sizes.append((f"{rel}:{node.name}", node.end_lineno - node.lineno + 1))
+    return sorted(sizes, key=lambda s: -s[1])[:n]
+
+
 # -- imports -------------------------------------------------------------------------------------------
 
 _GRAPH_SCRIPT = """
@@ -271,7 +291,9 @@ def main() -> None:
     crossing = cross_layer_imports(edges)
     blocks = repeated_blocks(root)
     writers = row_writers(root)
+    emit(tree=label, measure="modules_per_package", packages=modules_per_package(root))
     emit(tree=label, measure="longest_files", files=dict(longest_files(root)))
+    emit(tree=label, measure="longest_functions", functions=dict(longest_functions(root)))
     emit(tree=label, measure="import_cycles", count=len(found_cycles), package_cycles=package_cycles(edges),
          cycles=found_cycles if args.verbose else [" <-> ".join(c[:4]) for c in found_cycles])  # fmt: skip
     emit(tree=label, measure="cross_layer_imports", count=len(crossing),
