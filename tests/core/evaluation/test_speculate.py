@@ -34,8 +34,8 @@ MIN_GAP = 1e-3  # ten times the drift bound of test_cached_pass_matches_full_pas
 def drafter(tmp_path_factory, toy_verifier_dir: Path, toy_dataset_path: Path):
     """A briefly trained drafter: it gets drafts accepted (AL about 1.3 on these prompts), so acceptance
     counts differ between rows and steps and the cache is cropped and masked per row."""
+    from peagle_core.pipeline.stages import run_pipeline
     from peagle_core.spec import parse_spec
-    from peagle_core.training.loop import train
 
     spec = parse_spec(
         {
@@ -48,7 +48,7 @@ def drafter(tmp_path_factory, toy_verifier_dir: Path, toy_dataset_path: Path):
             "export": {"vllm_check": False},
         }
     )
-    result = train(spec, tmp_path_factory.mktemp("speculate_job"), resume=False)
+    result = run_pipeline(spec, tmp_path_factory.mktemp("speculate_job"), resume=False)
     assert result.status == "completed"
     return result.model.eval()
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from tests.core.helpers import make_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 _RANK_SCRIPT = """
 import json, os, sys

@@ -21,7 +21,7 @@ from peagle_core.training.loop import train
 from peagle_core.training.resume import latest_checkpoint
 from tests.core.helpers import assert_same_weights, final_weights, make_spec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
