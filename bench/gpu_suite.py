@@ -364,24 +364,31 @@ def cuda_tests(ctx: Context, cap_s: float) -> dict[str, Any]:
     return counts
 
 
-def hidden_states_engines(ctx: Context, cap_s: float) -> dict[str, Any]:
-    """bench/hidden_states.py's engine column on the device: cache-build tokens/s and bytes/token with
-    transformers vs vLLM (our KV connector), on the toy and on SmolLM2 when it is present; a child process,
-    since vLLM takes the device for itself."""
-    cmd = [sys.executable, str(ROOT / "bench" / "hidden_states.py"), "--only", "engines", "--size", "test",
-           "--samples", "64", "--seq-len", "128", "--work", str(ctx.work / "hs-engines")]  # fmt: skip
-    env = {**os.environ, "PEAGLE_CACHE_DIR": str(ctx.work), "PYTHONPATH": _pythonpath()}
+def _bench_child(script: str, args: list[str], cap_s: float, env: dict[str, str] | None = None) -> list[dict]:
+    """Run bench/`script` in a child process within the stage's cap; its JSON lines."""
+    cmd = [sys.executable, str(ROOT / "bench" / script), *args]
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), **(env or {})}
     try:
         proc = subprocess.run(
             cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(cap_s - 5, 5), check=False
         )
     except subprocess.TimeoutExpired as exc:
-        raise CheckFailed(f"bench/hidden_states.py ran past {cap_s:.0f} s") from exc
+        raise CheckFailed(f"bench/{script} ran past {cap_s:.0f} s") from exc
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise CheckFailed(
-            "bench/hidden_states.py --only engines failed", output=tail(proc.stdout + proc.stderr)
+            f"bench/{script} {' '.join(args[:2])} failed", output=tail(proc.stdout + proc.stderr)
         )
+    return lines
+
+
+def hidden_states_engines(ctx: Context, cap_s: float) -> dict[str, Any]:
+    """bench/hidden_states.py's engine column on the device: cache-build tokens/s and bytes/token with
+    transformers vs vLLM (our KV connector), on the toy and on SmolLM2 when it is present; a child process,
+    since vLLM takes the device for itself."""
+    args = ["--only", "engines", "--size", "test", "--samples", "64", "--seq-len", "128",
+            "--work", str(ctx.work / "hs-engines")]  # fmt: skip
+    lines = _bench_child("hidden_states.py", args, cap_s, {"PEAGLE_CACHE_DIR": str(ctx.work)})
     figures: dict[str, Any] = {}
     for x in lines:
         figures[f"{x['verifier']}/{x['engine']}/{x['metric']}"] = round(float(x["value"]), 2)
@@ -391,18 +398,8 @@ def hidden_states_engines(ctx: Context, cap_s: float) -> dict[str, Any]:
 def real_model(ctx: Context, cap_s: float) -> dict[str, Any]:
     """bench/real_model.py, the headline figures (acceptance length in vLLM and ours on MT-Bench, vLLM's
     speed-up at batch 1 and 8), in a child process: it needs SmolLM2's wheel in pip's cache on the device."""
-    cmd = [sys.executable, str(ROOT / "bench" / "real_model.py"), "--work", str(ctx.work / "real-model"),
-           "--epochs", "4", "--repeats", "3"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(cap_s - 5, 5), check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise CheckFailed(f"bench/real_model.py ran past {cap_s:.0f} s") from exc
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise CheckFailed("bench/real_model.py failed", output=tail(proc.stdout + proc.stderr))
+    args = ["--work", str(ctx.work / "real-model"), "--epochs", "4", "--repeats", "3"]
+    lines = _bench_child("real_model.py", args, cap_s)
     return {"figures": [x for x in lines if x.get("stage") != "spec"]}
 
 
