@@ -61,3 +61,34 @@ def test_smollm2_greedy_tokens_equal_in_transformers_and_vllm(
 
     run = vllm_engine.generate(str(smollm2_dir), prompts, NEW_TOKENS, dtype="float32")
     assert run.tokens == ours, ([tok.decode(t) for t in run.tokens], [tok.decode(t) for t in ours])
+
+
+def test_a_drafter_trained_a_few_steps_on_smollm2_passes_the_publish_gate(
+    smollm2_dir: Path, mt_bench_path: Path, tmp_path: Path
+) -> None:
+    """The whole pipeline on the real model: a 1-layer drafter, a few steps on MT-Bench first turns answered
+    by hand, exported and judged by vLLM (greedy output with it equal to without it, acceptance above the
+    floor). Its acceptance is low after 3 steps; what counts here is that vLLM serves it losslessly."""
+    from peagle_core.pipeline.stages import run_pipeline
+    from peagle_core.spec import parse_spec
+
+    rows = [row for _, row in iter_rows(mt_bench_path, prompts_only_ok=True)][:24]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(
+        json.dumps({"messages": [*row.messages[:1], {"role": "assistant", "content": "Sure. Here is a short answer."}]})
+        + "\n" for row in rows
+    ))  # fmt: skip
+    spec = parse_spec(
+        {
+            "verifier": {"name_or_path": str(smollm2_dir), "dtype": "float32"},
+            "dataset": {"path": str(data), "seq_len": 256, "val_fraction": 0.1},
+            "hidden_states": {"mode": "online"},
+            "model": {"num_layers": 1, "num_depths": 2, "draft_vocab_size": 1024},
+            "training": {"max_steps": 3, "total_seq_len": 512, "checkpoint_every_steps": 1000},
+            "evaluation": {"prompts": 2, "max_new_tokens": 8, "engine": "vllm"},
+        }
+    )
+    result = run_pipeline(spec, tmp_path / "run")
+    assert result.status == "completed" and result.serving is not None
+    assert result.serving.status == "verified", result.serving
+    assert (result.export_dir / "model.safetensors").is_file()
