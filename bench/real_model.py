@@ -93,6 +93,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
+    p.add_argument("--ks", type=int, nargs="*", help="K values to evaluate (default 1..num_depths)")
     p.add_argument("--timing-prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -162,7 +163,7 @@ def main() -> None:
         t0 = time.monotonic()
         plain = vllm.generate(v, prompts, args.new_tokens, **opts)
         emit(bench="real_model", stage="vllm_plain", prompts=len(prompts), seconds=time.monotonic() - t0)
-        for k in range(1, depths + 1):
+        for k in args.ks or range(1, depths + 1):
             # Each category decoded apart (vLLM's counters are per call), then pooled by drafts.
             t0 = time.monotonic()
             ours_parts = {c: evaluate(drafter, verifier, [tensors[i] for i in idx], k, args.new_tokens, eos)
@@ -188,7 +189,7 @@ def main() -> None:
                 vllm_seconds=round(vllm_s, 1),
                 peagle_eval_seconds=round(ours_s, 1),
             )
-            if k == depths:
+            if k == max(args.ks or [depths]):
                 vllm_cats, ours_cats = run_categories(runs), eval_categories_figures(ours_parts)
                 for c in by_cat:
                     emit(bench="real_model", k=k, category=c, prompts=len(by_cat[c]),
