@@ -8,7 +8,9 @@ layer reads. Everything is cached under `cache_root()`, like the toy verifier.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from peagle_core.errors import PeagleError
 
@@ -17,6 +19,19 @@ class CatalogueError(PeagleError):
     """A catalogue entry that cannot be fetched, checked or built (unknown name, missing or altered wheel)."""
 
     code = "catalogue_error"
+
+
+E = TypeVar("E")
+
+
+def lookup(table: Mapping[str, E], kind: str, name: str) -> E:
+    """The catalogue entry `name` of `table`; an unknown name is an error listing the known ones."""
+    try:
+        return table[name]
+    except KeyError:
+        raise CatalogueError(
+            f"unknown {kind} {name!r} (the catalogue has: {', '.join(table)})", param="name"
+        ) from None
 
 
 def cache_root() -> Path:

