@@ -5,8 +5,8 @@ SmolLM2-135M-Instruct from its wheel is the verifier. ShareGPT first turns, answ
 job runs (the spec is printed first, so the same job can be submitted). Then, on all 80 MT-Bench first
 turns, at every K = 1..num_depths: acceptance length per position and per category, in vLLM (its
 spec-decode counters) and in ours; whether vLLM's output equals its plain greedy output; and vLLM's output
-tokens/s with and without the drafter at batch 1 and batch 8 (median of `--repeats` timed runs, after a
-warm-up). One JSON line per figure.
+tokens/s with and without the drafter at batch 1 and batch 8 (median of `--repeats` rounds timed in
+alternating pairs, after a warm-up). One JSON line per figure.
 
     python bench/real_model.py                       # the recipe in docs/decisions.md, ~60 min on 2 cores
     python bench/real_model.py --drafter DIR         # measure an exported drafter only
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -28,7 +27,7 @@ MODEL = "smollm2-135m-instruct"
 
 
 def recipe(
-    args: argparse.Namespace, verifier: Path, data: Path, eval_prompts: list[str], *, regenerate: bool
+    args: argparse.Namespace, verifier: Path, data: Path, eval_prompts: list[Any], *, regenerate: bool
 ) -> dict[str, Any]:
     """The job spec the bench trains with (printed, so a user can submit the same job)."""
     regen = {"engine": "vllm", "max_new_tokens": args.regen_tokens} if regenerate else False
@@ -61,15 +60,6 @@ def recipe(
         "evaluation": {"prompts": eval_prompts, "max_new_tokens": args.new_tokens, "engine": "both"},
         "export": {"dtype": "fp32", "vllm_check": True},
     }
-
-
-def median_run(repeats: int, fn: Any) -> tuple[float, Any]:
-    """(median output tokens/s over `repeats` runs, the last run); `fn` returns (tokens, seconds, run)."""
-    rates, last = [], None
-    for _ in range(repeats):
-        tokens, seconds, last = fn()
-        rates.append(tokens / seconds)
-    return statistics.median(rates), last
 
 
 def main() -> None:
@@ -111,6 +101,7 @@ def main() -> None:
     from peagle_core.pipeline.stages import run_pipeline
     from peagle_core.serving.categories import eval_categories_figures, pool_eval, pool_runs, run_categories
     from peagle_core.serving.judge import agreement_gap, engine_options
+    from peagle_core.serving.speedup import paired_speedup
     from peagle_core.spec import parse_spec
     from peagle_core.vllm_engine import VllmEngine
 
@@ -198,24 +189,15 @@ def main() -> None:
                          peagle_acceptance_length=ours_cats[c]["acceptance_length"])  # fmt: skip
 
         timing = prompts[: args.timing_prompts]
-        for batch in (1, 8):
-            groups = [timing[i : i + batch] for i in range(0, len(timing), batch)]
-
-            def timed(
-                drafter_path: str | None, groups: list[list[list[int]]] = groups
-            ) -> tuple[int, float, Any]:
-                extra = {"drafter": drafter_path, "k": depths} if drafter_path else {}
-                t = time.perf_counter()
-                out = [vllm.generate(v, g, args.new_tokens, **extra, **opts) for g in groups]
-                seconds = time.perf_counter() - t
-                return sum(o.num_output_tokens for o in out), seconds, out
-
-            timed(None, groups[:1])  # warm-up: the plain engine
-            base, _ = median_run(args.repeats, lambda: timed(None))
-            timed(str(drafter_dir), groups[:1])  # warm-up: the engine with the drafter
-            spec_rate, _ = median_run(args.repeats, lambda: timed(str(drafter_dir)))
-            emit(bench="real_model", batch=batch, k=depths, prompts=len(timing), repeats=args.repeats,
-                 plain_tokens_per_s=base, drafter_tokens_per_s=spec_rate, speedup=spec_rate / base)  # fmt: skip
+        with VllmEngine() as drafted:  # the drafted side in its own process: runs alternate in pairs
+            for batch in (1, 8):
+                groups = [timing[i : i + batch] for i in range(0, len(timing), batch)]
+                r = paired_speedup(vllm, drafted, v, groups, args.new_tokens, drafter=str(drafter_dir),
+                                   k=depths, rounds=args.repeats, options=opts)  # fmt: skip
+                emit(bench="real_model", batch=batch, k=depths, prompts=len(timing), repeats=args.repeats,
+                     plain_tokens_per_s=r["baseline_output_tokens_per_s"],
+                     drafter_tokens_per_s=r["output_tokens_per_s"], speedup=r["speedup"],
+                     speedup_per_round=r["speedup_per_round"], lossless=r["lossless"])  # fmt: skip
 
 
 if __name__ == "__main__":

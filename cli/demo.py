@@ -263,7 +263,8 @@ def _report_speedup(
     r = measure_speedup(verifier_path, out, k, prompts, new_tokens)
     typer.echo(
         f"vLLM at batch 1, K={k}, {r['prompts']} MT-Bench prompts x {new_tokens} tokens: "
-        f"{r['drafter_tokens_per_s']:.1f} tok/s with the drafter vs {r['plain_tokens_per_s']:.1f} without: "
+        f"{r['output_tokens_per_s']:.1f} tok/s with the drafter vs {r['baseline_output_tokens_per_s']:.1f} "
+        f"without (median of {r['rounds']} rounds timed in pairs): "
         f"speed-up {r['speedup']:.2f}x (acceptance length {r['acceptance_length']:.3f}; output "
         f"{'unchanged' if r['lossless'] else 'CHANGED'})"
     )

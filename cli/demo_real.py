@@ -113,10 +113,12 @@ def real_spec(verifier: str, dataset_id: str, eval_prompts: list[str], size: str
 
 
 def measure_speedup(verifier: Path, checkpoint: Path, k: int, prompts: list[str], new_tokens: int) -> dict:
-    """vLLM at batch 1 on `prompts`, without and with the drafter: output tokens/s of each, their ratio,
-    vLLM's acceptance length, and whether the output is unchanged. The first prompt warms each engine up."""
+    """vLLM at batch 1 on `prompts`, without and with the drafter (two engines, timed in alternating
+    pairs: `paired_speedup`): output tokens/s of each, their ratio, vLLM's acceptance length, and whether
+    the output is unchanged."""
     from transformers import AutoTokenizer
 
+    from peagle_core.serving.speedup import paired_speedup
     from peagle_core.vllm_engine import VllmEngine
 
     tok = AutoTokenizer.from_pretrained(str(verifier))
@@ -125,24 +127,8 @@ def measure_speedup(verifier: Path, checkpoint: Path, k: int, prompts: list[str]
                                      tokenize=True, return_dict=False))
         for p in prompts
     ]  # fmt: skip
-    timed: dict[str, dict[str, Any]] = {}
-    with VllmEngine() as engine:
-        for name, extra in (("plain", {}), ("drafter", {"drafter": str(checkpoint), "k": k})):
-            engine.generate(str(verifier), ids[:1], new_tokens, dtype="float32", **extra)  # warm-up
-            runs = [engine.generate(str(verifier), [p], new_tokens, dtype="float32", **extra) for p in ids]
-            seconds = sum(r.seconds for r in runs)
-            drafts = sum(r.num_drafts for r in runs)
-            timed[name] = {
-                "tokens": [r.tokens[0] for r in runs],
-                "tokens_per_s": sum(r.num_output_tokens for r in runs) / max(seconds, 1e-9),
-                "acceptance_length": 1 + sum(r.num_accepted_tokens for r in runs) / drafts if drafts else 1.0,
-            }
-    plain, drafted = timed["plain"], timed["drafter"]
-    return {
-        "prompts": len(ids),
-        "plain_tokens_per_s": plain["tokens_per_s"],
-        "drafter_tokens_per_s": drafted["tokens_per_s"],
-        "speedup": drafted["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9),
-        "acceptance_length": drafted["acceptance_length"],
-        "lossless": plain["tokens"] == drafted["tokens"],
-    }
+    with VllmEngine() as plain, VllmEngine() as drafted:
+        return paired_speedup(
+            plain, drafted, str(verifier), [[p] for p in ids], new_tokens,
+            drafter=str(checkpoint), k=k, options={"dtype": "float32"},
+        )  # fmt: skip

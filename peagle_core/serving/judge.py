@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from peagle_core.errors import PeagleError
 from peagle_core.serving.categories import category_groups
 from peagle_core.serving.gate import Acceptance, ServingCheck, check_in_vllm, vllm_version
+from peagle_core.serving.speedup import paired_speedup
 from peagle_core.vllm_engine import VllmEngine, model_len_for, vllm_available
 
 if TYPE_CHECKING:
@@ -158,31 +159,21 @@ class VllmJudge:
             check.speedup = self.measure_speedup(checkpoint_dir, k)
         return check
 
-    def measure_speedup(self, checkpoint_dir: str | Path, k: int) -> dict[str, Any]:
-        """vLLM's output tokens/s at batch 1 over the evaluation prompts (one request at a time, after
-        one untimed warm-up request), with the drafter at K and without it; `speedup` is their ratio."""
-        n = self.max_new_tokens
-        # One model length for both engines, so that the two differ by the drafter alone.
-        options = {"max_model_len": model_len_for(self.prompts, n, k), **self.options}
-
-        def timed(**drafter: Any) -> tuple[float, list[list[int]]]:
-            self.engine.generate(self.verifier, self.prompts[:1], n, **drafter, **options)  # warm-up
-            runs = [self.engine.generate(self.verifier, [p], n, **drafter, **options) for p in self.prompts]
-            seconds = sum(r.seconds for r in runs)
-            tokens = sum(r.num_output_tokens for r in runs)
-            return (tokens / seconds if seconds > 0 else 0.0), [r.tokens[0] for r in runs]
-
-        with_drafter, spec_tokens = timed(drafter=str(checkpoint_dir), k=k)
-        without, plain_tokens = timed()
-        return {
-            "batch_size": 1,
-            "k": k,
-            "prompts": len(self.prompts),
-            "output_tokens_per_s": with_drafter,
-            "baseline_output_tokens_per_s": without,
-            "speedup": with_drafter / without if without > 0 else None,
-            "lossless": spec_tokens == plain_tokens,
-        }
+    def measure_speedup(self, checkpoint_dir: str | Path, k: int, *, rounds: int = 3) -> dict[str, Any]:
+        """vLLM's output tokens/s at batch 1 over the evaluation prompts (one request at a time) with the
+        drafter at K and without it, timed in alternating pairs over `rounds` (`paired_speedup`); on the
+        CPU the drafted side runs in a second engine process, on a GPU the one engine switches sides."""
+        options = {"max_model_len": model_len_for(self.prompts, self.max_new_tokens, k), **self.options}
+        one_device = "gpu_memory_utilization" in options  # a second engine would not fit beside the first
+        drafted = self.engine if one_device else VllmEngine().start()
+        try:
+            return paired_speedup(
+                self.engine, drafted, self.verifier, [[p] for p in self.prompts], self.max_new_tokens,
+                drafter=str(checkpoint_dir), k=k, rounds=rounds, options=options,
+            )  # fmt: skip
+        finally:
+            if drafted is not self.engine:
+                drafted.close()
 
     def evaluate_dir(self, checkpoint_dir: str | Path, ks: list[int]) -> dict[int, dict[str, Any]]:
         """vLLM's figures per K for a checkpoint directory: its counters, acceptance length and per

@@ -1,0 +1,134 @@
+"""Recipe comparison on the real model: several drafter recipes trained on the same data, scored alike.
+
+Every variant trains through the same pipeline a job runs, sharing one store, so the data (regenerated
+or not) and the verifier's hidden states are made once and reused while the drafter recipe changes. Each
+variant is scored by our decoder on MT-Bench first turns (acceptance length at K = num_depths, per
+position; ours equals vLLM's on this model, bench/real_model.py). One JSON line per variant.
+
+    python bench/recipe_sweep.py --data regen:160 --steps 80 base lr=5e-3 num_layers=2 draft_vocab=4096
+    python bench/recipe_sweep.py --data sharegpt:2000 --steps 80 base
+
+A variant is `name` or `name:key=value,...` (or just `key=value,...`) over `bench/real_model.py`'s recipe
+flags (num_layers, num_depths, draft_vocab, cod_ratio, cod_min, lr, epochs, total_seq_len); `base` is the
+flags as given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import emit
+from real_model import MODEL, recipe
+
+KNOBS = {
+    "num_layers": int, "num_depths": int, "draft_vocab": int, "cod_ratio": float, "cod_min": float,
+    "lr": float, "epochs": int, "total_seq_len": int,
+}  # fmt: skip
+
+
+def parse_variant(text: str, base: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """(name, the recipe flags with the variant's overrides)."""
+    name, _, body = text.rpartition(":") if ":" in text else ("", "", text)
+    args = argparse.Namespace(**vars(base))
+    if body != "base":
+        for item in filter(None, body.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep or key not in KNOBS:
+                raise SystemExit(f"variant {text!r}: {item!r} is not one of {', '.join(KNOBS)}=VALUE")
+            setattr(args, key, KNOBS[key](value))
+    return name or body, args
+
+
+def training_data(source: str) -> tuple[Path, bool]:
+    """(chat JSONL, whether the verifier regenerates its answers) for `regen:N`, `sharegpt:N` or `file:PATH`."""
+    from peagle_core.catalogue.datasets import get_dataset
+
+    kind, _, n = source.partition(":")
+    limit = int(n) if n and kind != "file" else None
+    if kind == "regen":
+        return get_dataset("sharegpt", first_turn=True, prompts_only=True, limit=limit)[0], True
+    if kind == "sharegpt":
+        # ShareGPT's own answers (another model's words): no regeneration, so data costs only a forward.
+        return get_dataset("sharegpt", first_turn=True, limit=limit)[0], False
+    if kind == "file":
+        return Path(n), False  # a chat JSONL already answered by the verifier (e.g. a job's regenerated data)
+    raise SystemExit(f"--data {source!r}: use regen:N, sharegpt:N or file:PATH")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="+", help="`base`, `key=value,...` or `name:key=value,...`")
+    p.add_argument("--work", type=Path, default=Path("bench-recipe-sweep"), help="shared store, reused")
+    p.add_argument(
+        "--data", default="regen:160", help="regen:N (verifier answers), sharegpt:N (as is) or file:PATH"
+    )
+    p.add_argument("--steps", type=int, default=80, help="optimizer steps per variant (the fixed budget)")
+    p.add_argument("--eval-prompts", type=int, default=16, help="MT-Bench first turns scored")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--regen-tokens", type=int, default=96)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--hs-engine", default="transformers", choices=["vllm", "transformers"])
+    p.add_argument("--total-seq-len", type=int, default=4096)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--num-depths", type=int, default=4)
+    p.add_argument("--draft-vocab", type=int, default=8192)
+    p.add_argument("--cod-ratio", type=float, default=0.7)
+    p.add_argument("--cod-min", type=float, default=0.2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--epochs", type=int, default=50, help="an upper bound; --steps ends the run")
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    import json
+
+    from peagle_core.catalogue.datasets import get_dataset
+    from peagle_core.catalogue.models import get_model
+    from peagle_core.pipeline.stages import LocalStore, Pipeline
+    from peagle_core.spec import parse_spec
+
+    verifier = get_model(MODEL)
+    data, regenerate = training_data(args.data)
+    mt_path, _ = get_dataset("mt-bench", first_turn=True, prompts_only=True)
+    rows = [json.loads(line) for line in mt_path.read_text().splitlines()]
+    # One prompt per category first, so a small --eval-prompts still covers every category.
+    by_cat: dict[str, list[dict[str, str]]] = {}
+    for r in rows:
+        cat = r.get("category", "all")
+        by_cat.setdefault(cat, []).append({"prompt": r["messages"][0]["content"], "category": cat})
+    ordered = [q for i in range(max(map(len, by_cat.values()))) for qs in by_cat.values() if i < len(qs)
+               for q in [qs[i]]]  # fmt: skip
+    prompts = ordered[: args.eval_prompts]
+
+    store = LocalStore(args.work / "store")
+    for text in args.variants:
+        name, v = parse_variant(text, args)
+        v.steps, v.new_tokens, v.regen_tokens = args.steps, args.new_tokens, args.regen_tokens
+        raw: dict[str, Any] = recipe(v, verifier, data, prompts, regenerate=regenerate)
+        raw["evaluation"]["engine"] = "peagle"  # vLLM agrees with ours here; it would only add minutes
+        raw["export"]["vllm_check"] = False
+        spec = parse_spec(raw)
+        t0 = time.monotonic()
+        result = Pipeline.of(spec, args.work / f"run-{name}", store=store).run(resume=False)
+        m = result.metrics
+        at_k = ((result.evaluation or {}).get("results") or {}).get(f"k={v.num_depths}", {})
+        emit(
+            bench="recipe_sweep",
+            variant=name,
+            data=args.data,
+            steps=result.step,
+            seconds=round(time.monotonic() - t0, 1),
+            recipe={k: getattr(v, k) for k in KNOBS},
+            acceptance_length=at_k.get("acceptance_length"),
+            acceptance_rate_per_position=at_k.get("acceptance_rate_per_position"),
+            categories={c: f.get("acceptance_length") for c, f in (at_k.get("categories") or {}).items()},
+            train_accuracy={k: round(val, 3) for k, val in m.items() if k.startswith("acc_")},
+            loss=m.get("loss"),
+            eval_prompts=len(prompts),
+        )
+
+
+if __name__ == "__main__":
+    main()
