@@ -143,6 +143,7 @@ CAPS = {
     "speculators_step": 120,  # its forward is torch.compile'd on CUDA
     "hidden_states_engines": 240,  # two vLLM starts (toy, SmolLM2 when carried) and the builds
     "real_model": 480,  # bench/real_model.py at a GPU's scale: regenerate, train, MT-Bench in vLLM and ours
+    "scale": 120,  # bench/scale.py --quick: a torchrun launch per sharding and world size
 }
 OVERFIT_RATIO = 0.15  # the CPU dry run reaches ~0.09 in 120 steps at lr 1e-2
 
@@ -393,6 +394,17 @@ def hidden_states_engines(ctx: Context, cap_s: float) -> dict[str, Any]:
     for x in lines:
         figures[f"{x['verifier']}/{x['engine']}/{x['metric']}"] = round(float(x["value"]), 2)
     return {"figures": figures}
+
+
+def scale(ctx: Context, cap_s: float) -> dict[str, Any]:
+    """bench/scale.py --quick on the device's GPUs (nccl; one rank per GPU, at most 4): DDP vs FSDP step
+    time, tokens/s, peak CUDA memory and DCP save/load time per rank. On the CPU the dry run skips it: the
+    gloo figures come from running bench/scale.py by hand (a launch per configuration costs CI ~15 s)."""
+    if ctx.device.type != "cuda":
+        raise Skip("no CUDA device (bench/scale.py measures gloo on the CPU when run by hand)")
+    ranks = [str(w) for w in (1, 2, 4) if w <= torch.cuda.device_count()]
+    lines = _bench_child("scale.py", ["--quick", "--ranks", *ranks, "--work", str(ctx.work / "scale")], cap_s)
+    return {"figures": lines}
 
 
 def real_model(ctx: Context, cap_s: float) -> dict[str, Any]:
@@ -1128,6 +1140,7 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
         needs=("device", "peagle_core", "vllm_cuda"),
     )
     suite.stage("real_model", lambda cap: real_model(ctx, cap), needs=("device", "peagle_core", "vllm_cuda"))
+    suite.stage("scale", lambda cap: scale(ctx, cap), needs=("device", "peagle_core"))
     # Last: a child process of its own, so whatever time is left goes to it after every figure is in.
     suite.stage("cuda_tests", lambda cap: cuda_tests(ctx, cap), needs=("device", "peagle_core", "pytest"))
     return suite.summary()
