@@ -79,10 +79,11 @@ def save_checkpoint(
     objects stored beside the state (e.g. `eval.json`); rank 0's are the ones written."""
     root = Path(root)
     final = root / step_dir_name(position.step)
-    # One name every rank agrees on (rank 0 clears a leftover of a crashed save first).
+    # One name every rank agrees on (rank 0 first clears what crashed saves left).
     tmp = root / f".{final.name}.tmp-dcp"
     if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in root.glob(".step_*.tmp-dcp"):
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist_utils.barrier(info)
     model_state, optim_state = get_state_dict(module, optimizer)
