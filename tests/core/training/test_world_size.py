@@ -42,16 +42,20 @@ from peagle_core.training.loop import train
 
 spec_file, out, data, stop_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 rank = int(os.environ["RANK"])
-losses, consumed = [], []
-result = train(load_spec(spec_file), out, dataset_dir=data,
-               on_metrics=lambda m: "loss" in m and losses.append(m["loss"]),
+losses, consumed, evals = [], [], []
+def on_metrics(m):
+    if "loss" in m:
+        losses.append(m["loss"])
+    if "eval/acceptance_length@3" in m:
+        evals.append([m["step"], m["eval/acceptance_length@3"]])
+result = train(load_spec(spec_file), out, dataset_dir=data, on_metrics=on_metrics,
                should_stop=lambda: stop_after > 0 and len(losses) >= stop_after,
                on_consumed=lambda epoch, ids: consumed.extend(ids))
 if result.status == "completed":  # (a stopped FSDP run's ranks hold shards)
     state = {k: v.detach().contiguous() for k, v in result.model.state_dict().items()}
     save_file(state, os.path.join(out, f"rank{rank}.safetensors"))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"status": result.status, "step": result.step, "losses": losses, "consumed": consumed,
+    json.dump({"status": result.status, "step": result.step, "losses": losses, "consumed": consumed, "evals": evals,
                "export": str(result.export_dir) if result.export_dir else None}, f)
 """
 
@@ -73,15 +77,29 @@ def _torchrun(ranks: int, spec: JobSpec, out: Path, dataset: Path, stop_after: i
 def _in_process(spec: JobSpec, out: Path, dataset: Path, stop_after: int = 0) -> dict:
     losses: list[float] = []
     consumed: list[int] = []
+    evals: list[list[float]] = []
+
+    def on_metrics(m: dict) -> None:
+        if "loss" in m:
+            losses.append(m["loss"])
+        if "eval/acceptance_length@3" in m:
+            evals.append([m["step"], m["eval/acceptance_length@3"]])
+
     result = train(
         spec,
         out,
         dataset_dir=dataset,
-        on_metrics=lambda m: "loss" in m and losses.append(m["loss"]),
+        on_metrics=on_metrics,
         should_stop=lambda: stop_after > 0 and len(losses) >= stop_after,
         on_consumed=lambda epoch, ids: consumed.extend(ids),
     )
-    return {"status": result.status, "step": result.step, "losses": losses, "consumed": consumed}
+    return {
+        "status": result.status,
+        "step": result.step,
+        "losses": losses,
+        "consumed": consumed,
+        "evals": evals,
+    }
 
 
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -94,7 +112,13 @@ def test_a_two_rank_fsdp_run_resumes_on_one_and_on_three_ranks(
     toy_verifier_dir: Path, toy_dataset_path: Path, prepared_dataset: Path, tmp_path: Path
 ) -> None:
     # 4 rows a step (grad_accum 2 x 2 GPUs) at any world size: 3 ranks take 2, 1 and 1 rows, with pads.
-    spec = make_spec(toy_verifier_dir, toy_dataset_path, grad_accum=2, checkpoint_every_steps=1000)
+    spec = make_spec(
+        toy_verifier_dir,
+        toy_dataset_path,
+        grad_accum=2,
+        checkpoint_every_steps=1000,
+        eval_every_steps=STOP_AFTER,
+    )
     spec.resources.gpus = 2
     spec.evaluation.prompts = 1
     fsdp = spec.model_copy(deep=True)
@@ -109,6 +133,8 @@ def test_a_two_rank_fsdp_run_resumes_on_one_and_on_three_ranks(
     assert [r["status"] for r in two] == ["stopped", "stopped"] and two[0]["step"] == STOP_AFTER
     # FSDP on 2 ranks follows DDP on 1: same loss curve.
     torch.testing.assert_close(two[0]["losses"], reference["losses"][:STOP_AFTER], rtol=RTOL, atol=ATOL)
+    # Its evaluation gathered the sharded drafter onto rank 0 and decoded as the 1-rank run's did.
+    assert two[0]["evals"] == reference["evals"][:1] and two[1]["evals"] == []
     before = two[0]["consumed"] + two[1]["consumed"]
     for name in ("one", "three"):
         shutil.copytree(tmp_path / "two" / "checkpoints", tmp_path / name / "checkpoints")
