@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 
 ALLOW_CPU_ENV = "PEAGLE_ALLOW_CPU_MULTIPROCESS"
+ABANDON_GRACE_S = 15.0  # how long ranks whose job moved on get to stop by themselves before torchrun is stopped
 
 
 def rank_device(gpus: int) -> str:
@@ -122,8 +123,8 @@ def run_ranks(
     """Run this machine's ranks under torchrun until they exit; returns torchrun's status.
 
     Without `rendezvous` torchrun is standalone (one machine); with it, this machine is one node of the
-    gang (`leader`: it hosts the store and its ranks come first). `abort` set: stop torchrun (the job is
-    no longer this attempt's). `node` tells apart the files of machines sharing `out_dir`."""
+    gang (`leader`: it hosts the store and its ranks come first). `abort` set (the job is no longer this
+    attempt's): torchrun is stopped unless its ranks end within ABANDON_GRACE_S. `node` tells apart the files of machines sharing `out_dir`."""
     suffix = f"-node{node}" if node else ""
     spec_path = out_dir / f"spec-attempt{attempt}{suffix}.json"
     atomic_write_json(spec_path, spec.model_dump(mode="json", exclude_unset=True))
@@ -160,6 +161,9 @@ def run_ranks(
     try:
         while proc.poll() is None:
             if abort is not None and abort.is_set():
+                # The ranks see it too and stop on their own (a job that just finished ends this way).
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    return proc.wait(timeout=ABANDON_GRACE_S)
                 raise JobAbandoned
             if preempted is not None and preempted.is_set():
                 # Again each round: a rank that announced itself since the last round is told too.

@@ -27,7 +27,9 @@ def test_two_workers_train_one_job_as_two_nodes(
     stack.worker(log_name="leader")
     stack.worker(log_name="member")
     job = stack.wait_for(
-        "the job to finish", lambda: (j := stack.job(job_id)).status in ("succeeded", "failed") and j, timeout=400
+        "the job to finish",
+        lambda: (j := stack.job(job_id)).status in ("succeeded", "failed") and j,
+        timeout=400,
     )
     assert job.status == "succeeded", (job.error, [e.message for e in stack.events(job_id)])
 
@@ -61,3 +63,20 @@ def test_a_gang_that_never_forms_fails_naming_who_joined(
     assert job.error["param"] == "resources.nodes"
     assert "only 1 of at least 3 (up to 4) machines joined within 3s" in job.error["message"]
     assert stack.checkpoints(job_id) == []
+
+
+def test_a_join_for_an_older_attempt_starts_nothing(
+    stack: Stack, toy_verifier_dir: Path, toy_dataset_path: Path
+) -> None:
+    from service.crud import gang, jobstate
+    from worker.gang import GangMember
+
+    job_id = stack.submit(toy_spec(toy_verifier_dir, toy_dataset_path, resources={"nodes": 2}), enqueue=False)
+    with stack.sessions() as s:
+        assert jobstate.claim(s, job_id, "leader")
+        assert gang.set_gang(s, job_id, 1, {"endpoint": "127.0.0.1:1", "nodes_max": 2})
+        s.commit()
+    # Delivered after the job moved on to attempt 1 (e.g. a join queued for an attempt that was requeued).
+    assert GangMember(stack.settings, job_id, 0, 1, "late-worker").run() == "stale"
+    with stack.sessions() as s:
+        assert gang.members(s, job_id, 1) == [] and gang.members(s, job_id, 0) == []
