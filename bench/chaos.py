@@ -482,7 +482,13 @@ def _gang_member(stack: Stack, job_id: str) -> subprocess.Popen[bytes] | None:
 def _node_loss(stack: Stack, trials: int, args: argparse.Namespace, *, nodes: int | str, name: str) -> None:
     started, jobs, kills, steps_lost, worlds = time.monotonic(), [], 0, [], []
     for _ in range(trials):
-        job_id = stack.submit(args.steps, resources={"nodes": nodes})
+        # Our decoder only: the scenario is about training, and no vLLM engine starts on a CPU box.
+        job_id = stack.submit(
+            args.steps,
+            resources={"nodes": nodes},
+            evaluation={"engine": "peagle"},
+            export={"vllm_check": False},
+        )
         jobs.append(job_id)
         # Past the first periodic checkpoint (every 5 steps), with the member machine in the world.
         victim = None
