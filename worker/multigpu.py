@@ -7,6 +7,10 @@ horse as PREEMPT_SIGNAL; the horse forwards it to every rank (each announces its
 handler is installed, so no rank is killed by a signal it cannot handle yet), the ranks agree to stop, and
 rank 0 saves a checkpoint before it reports, exactly as a single-process job does.
 
+A job across machines (`worker.gang`) runs the same ranks under a torchrun that joins the job's c10d
+rendezvous instead of `--standalone`; the ranks then renumber themselves so that the leader's come first
+(`leader_first`), and rank 0, which reports, runs beside the worker that publishes.
+
 A job asking for more GPUs than the worker sees fails with `insufficient_gpus`. On a machine without
 GPUs, `PEAGLE_ALLOW_CPU_MULTIPROCESS=1` runs the ranks as CPU processes over gloo instead (for tests and
 development; it is never what a real job wants).
@@ -39,7 +43,9 @@ log = logging.getLogger(__name__)
 
 
 ALLOW_CPU_ENV = "PEAGLE_ALLOW_CPU_MULTIPROCESS"
-ABANDON_GRACE_S = 15.0  # how long ranks whose job moved on get to stop by themselves before torchrun is stopped
+ABANDON_GRACE_S = (
+    15.0  # how long ranks whose job moved on get to stop by themselves before torchrun is stopped
+)
 
 
 def rank_device(gpus: int) -> str:
@@ -224,6 +230,13 @@ def listen_for_preemption(preempted: threading.Event) -> None:
     threading.Thread(target=wait, name="preempt-signal", daemon=True).start()
 
 
+def leader_first_rank(rank: int, per_node: int, leader_node: int) -> tuple[int, int]:
+    """(rank, node) of torchrun's `rank` once the leader's machine and the first one swap places."""
+    node = rank // per_node
+    node = 0 if node == leader_node else leader_node if node == 0 else node
+    return node * per_node + rank % per_node, node
+
+
 def leader_first(is_leader: bool) -> None:
     """Across machines, renumber the ranks so the leader machine's come first, then join the process group.
 
@@ -250,9 +263,7 @@ def leader_first(is_leader: bool) -> None:
     if len(leaders) != 1:
         raise PeagleError(f"the ranks found {len(leaders)} leader machines, not one", code="gang_incomplete")
     (lead,) = leaders
-    node = rank // per_node
-    node = 0 if node == lead else lead if node == 0 else node
-    rank = node * per_node + rank % per_node
+    rank, node = leader_first_rank(rank, per_node, lead)
     os.environ["RANK"], os.environ["GROUP_RANK"] = str(rank), str(node)
     assert everyone[0] is not None
     store = dist.PrefixStore(

@@ -80,3 +80,13 @@ def test_a_join_for_an_older_attempt_starts_nothing(
     assert GangMember(stack.settings, job_id, 0, 1, "late-worker").run() == "stale"
     with stack.sessions() as s:
         assert gang.members(s, job_id, 1) == [] and gang.members(s, job_id, 0) == []
+
+
+def test_the_leaders_ranks_come_first_whatever_torchrun_chose() -> None:
+    from worker.multigpu import leader_first_rank
+
+    # 3 machines of 2 ranks; torchrun put the leader's machine third.
+    renumbered = [leader_first_rank(r, 2, 2) for r in range(6)]
+    assert renumbered == [(4, 2), (5, 2), (2, 1), (3, 1), (0, 0), (1, 0)]
+    assert sorted(r for r, _ in renumbered) == list(range(6))  # still one rank each
+    assert [leader_first_rank(r, 2, 0) for r in range(4)] == [(0, 0), (1, 0), (2, 1), (3, 1)]
