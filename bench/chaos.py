@@ -22,8 +22,9 @@ dataset; every job so created is cancelled again), `node_loss` (a job on both wo
 `resources.nodes: 2`: SIGKILL the member machine's worker tree mid-training; the job returns to the
 queue and resumes from its last checkpoint once a replacement worker joins) and `node_loss_elastic` (the
 same with `resources.nodes: "1:2"`: torchrun re-forms the gang on the survivor, which resumes from its
-last checkpoint at world size 1). Both report `steps_lost` (the step reached at the kill minus the step
-resumed from) and the world sizes the job trained at.
+last checkpoint at world size 1). Both report `steps_lost` (steps trained again after the resume: the
+highest step reached before it minus the step resumed from) and the world size of each start of the
+ranks.
 
 lost: a job that did not succeed within --deadline-s. duplicated: a job with more than one published
 checkpoint, or whose metric rows show an older attempt writing after a newer one started (two attempts
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -496,35 +498,40 @@ def _node_loss(stack: Stack, trials: int, args: argparse.Namespace, *, nodes: in
             stack._until("a member machine", lambda j=job_id: _gang_member(stack, j), 60, fail=False)
             victim = _gang_member(stack, job_id)
         if victim is not None:
-            at_kill = ((stack.job(job_id) or {}).get("progress") or {}).get("step", 0)
             machine = victim.machine  # type: ignore[attr-defined]
-            before = len((stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []})["data"])
             stack.kill(victim)
             kills += 1
             stack.add_worker(machine)  # the machine comes back (a fresh worker on its scratch)
-            stack.wait_done([job_id], args.deadline_s)
-            events = (stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []})["data"]
-            # The trainer's own resume event (the runner's, on a requeue, names the same step).
-            resumed = [
-                d.get("step", d.get("resume_step"))
-                for e in events[before:]
-                if (d := e.get("data") or {}).get("kind") == "resume"
-            ]
-            if resumed and resumed[0] is not None:
-                steps_lost.append(at_kill - resumed[0])
-        else:
-            stack.wait_done([job_id], args.deadline_s)
+        stack.wait_done([job_id], args.deadline_s)
+        steps_lost.append(_steps_trained_twice(stack, job_id))
         events = (stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []})["data"]
+        # One entry per start of the ranks (a requeue, or torchrun re-forming the gang): its world size.
         worlds.append(
             [
-                e["data"]["world_size"]
+                d["world_size"]
                 for e in events
-                if e["type"] == "stage" and "world_size" in (e["data"] or {})
+                if (d := e["data"] or {}).get("kind") == "rank" and d["rank"] == 0
             ]
         )
     _verdict(
         stack, name, jobs, args.deadline_s, started, kills=kills, steps_lost=steps_lost, world_sizes=worlds
     )
+
+
+def _steps_trained_twice(stack: Stack, job_id: str) -> int:
+    """Steps trained again after a resume: each time the training metric rows' step goes back, the steps
+    from the resumed one up to the highest before it were lost."""
+    from sqlalchemy import select
+
+    from service.db.models import JobMetric
+    from service.db.session import session_factory
+
+    with session_factory(stack.pg.url)() as s:
+        rows = s.execute(
+            select(JobMetric.step, JobMetric.values).where(JobMetric.job_id == job_id).order_by(JobMetric.id)
+        )
+        steps = [step for step, values in rows if "loss" in values]
+    return sum(prev - (step - 1) for prev, step in itertools.pairwise(steps) if step <= prev)
 
 
 def scenario_node_loss(stack: Stack, trials: int, args: argparse.Namespace) -> None:

@@ -33,7 +33,7 @@ from service.queue import enqueue_join, redis_from_url
 from service.settings import Settings
 from worker.job_io import write_event
 from worker.monitor import JobMonitor, stale_after_s
-from worker.multigpu import JobAbandoned, ranks_started, run_ranks, train_distributed
+from worker.multigpu import JobAbandoned, rank_device, ranks_started, run_ranks, train_distributed
 from worker.rendezvous import Rendezvous, free_port
 
 log = logging.getLogger(__name__)
@@ -171,14 +171,18 @@ class GangMember:
         self.sessions = session_factory(settings.database_url)
 
     def run(self) -> str:
-        """ "stale" (the attempt moved on or the slot is taken), "lost" (the job moved on while running),
-        or "left" (its torchrun ended)."""
+        """ "stale" (the attempt moved on or the slot is taken), "unfit" (this machine has too few GPUs),
+        "lost" (the job moved on while running), or "left" (its torchrun ended)."""
         with self.sessions() as session:
             gang = gang_crud.gang_of(session, self.job_id, self.attempt)
+        spec = parse_spec(gang["spec"]) if gang is not None else None
+        if spec is not None and not self._fits(spec):
+            return "unfit"
+        with self.sessions() as session:
             joined = gang is not None and gang_crud.join(
                 session, self.job_id, self.attempt, self.slot, self.worker_name
             )
-        if not joined or gang is None:
+        if not joined or gang is None or spec is None:
             log.info(
                 "join of job %s attempt %d node %d is stale; dropped", self.job_id, self.attempt, self.slot
             )
@@ -198,7 +202,6 @@ class GangMember:
         monitor.stop_on_signal()
         code = -1
         try:
-            spec = parse_spec(gang["spec"])
             out_dir = self._local_dir(gang["out_dir"])
             code = run_ranks(
                 self.settings, self.job_id, spec, out_dir, self._dataset_dir(gang, out_dir),
@@ -218,6 +221,20 @@ class GangMember:
                 gang_crud.leave(session, self.job_id, self.attempt, self.slot, code)
                 session.commit()
         return "left"
+
+    def _fits(self, spec: JobSpec) -> bool:
+        """Whether this machine can run its share (`resources.gpus` ranks); if not, it says so on the job
+        and stays out of the gang, which then fails `gang_incomplete` unless another worker joins."""
+        try:
+            rank_device(spec.resources.gpus)
+        except PeagleError as exc:
+            write_event(
+                self.sessions, self.job_id, self.attempt, "log",
+                f"node {self.slot} on {self.worker_name} cannot join: {exc.message}",
+                {"kind": "gang", "worker": self.worker_name, "code": exc.code}, level="warning",
+            )  # fmt: skip
+            return False
+        return True
 
     def _local_dir(self, leader_dir: str) -> Path:
         """The leader's work directory where this machine sees it too (same machine, or a shared file
