@@ -143,6 +143,7 @@ CAPS = {
     "speculators_step": 120,  # its forward is torch.compile'd on CUDA
     "hidden_states_engines": 240,  # two vLLM starts (toy, SmolLM2 when carried) and the builds
     "real_model": 480,  # bench/real_model.py at a GPU's scale: regenerate, train, MT-Bench in vLLM and ours
+    "scale": 120,  # bench/scale.py --quick: a torchrun launch per sharding and world size
 }
 OVERFIT_RATIO = 0.15  # the CPU dry run reaches ~0.09 in 120 steps at lr 1e-2
 
@@ -395,6 +396,17 @@ def hidden_states_engines(ctx: Context, cap_s: float) -> dict[str, Any]:
     return {"figures": figures}
 
 
+def scale(ctx: Context, cap_s: float) -> dict[str, Any]:
+    """bench/scale.py --quick on the device's GPUs (nccl; one rank per GPU, at most 4): DDP vs FSDP step
+    time, tokens/s, peak CUDA memory and DCP save/load time per rank. On the CPU the dry run skips it: the
+    gloo figures come from running bench/scale.py by hand (a launch per configuration costs CI ~15 s)."""
+    if ctx.device.type != "cuda":
+        raise Skip("no CUDA device (bench/scale.py measures gloo on the CPU when run by hand)")
+    ranks = [str(w) for w in (1, 2, 4) if w <= torch.cuda.device_count()]
+    lines = _bench_child("scale.py", ["--quick", "--ranks", *ranks, "--work", str(ctx.work / "scale")], cap_s)
+    return {"figures": lines}
+
+
 def real_model(ctx: Context, cap_s: float) -> dict[str, Any]:
     """bench/real_model.py, the headline figures (acceptance length in vLLM and ours on MT-Bench, vLLM's
     speed-up at batch 1 and 8), in a child process: it needs SmolLM2's wheel in pip's cache on the device."""
@@ -463,6 +475,13 @@ def _toy_spec(
     )
 
 
+def _one_row(i: int) -> Any:
+    """A one-rank step over one packed row: the `i`-th of its epoch (its COD draws follow `i`)."""
+    from peagle_core.data.packing import StepShard
+
+    return StepShard(bins=(i,), real=(True,), step_bins=1)
+
+
 def make_trainer(
     spec: Any,
     verifier: Any,
@@ -497,11 +516,10 @@ def make_trainer(
         verifier=verifier,
         source=source,
         model=model,
-        ddp_model=model,
+        train_module=model,
         teacher=build_teacher(verifier, model),
         optimizer=optimizer,
         scheduler=scheduler,
-        cod_generator=torch.Generator().manual_seed(tc.seed),
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
         total_steps=total_steps,
         prompts=[],
@@ -515,7 +533,6 @@ def overfit(ctx: Context) -> dict[str, Any]:
     from peagle_core.hidden_states.loader import BatchLoader, make_source
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.training.builders import epoch_bins
-    from peagle_core.training.distributed import DistInfo
     from peagle_core.training.loop import train_step
 
     verifier_dir, data = _toy(ctx)
@@ -532,12 +549,12 @@ def overfit(ctx: Context) -> dict[str, Any]:
     run = make_trainer(
         spec, verifier, dataset, source, ctx.device, ctx.work / "toy-run", train_idx, ctx.shapes.overfit_steps
     )
-    bins = epoch_bins(train_idx, list(dataset.lengths), spec, 0, DistInfo())
+    bins = epoch_bins(train_idx, list(dataset.lengths), spec, 0)
     with contextlib.closing(iter(BatchLoader(dataset, source, bins[:1], total_seq_len=256))) as it:
         batch = next(it).to(ctx.device)
     losses, metrics = [], {}
-    for _ in range(ctx.shapes.overfit_steps):
-        metrics = train_step(run, iter([batch]), 1)
+    for step in range(ctx.shapes.overfit_steps):
+        metrics = train_step(run, iter([batch]), _one_row(step), epoch=0)
         losses.append(metrics["loss"])
     ctx.toy = {"model": run.model, "dataset": dataset, "val_idx": val_idx, "dir": verifier_dir}
     accs = {f"acc_{d}": round(metrics[f"acc_{d}"], 3) for d in range(run.model.config.num_depths)}
@@ -785,14 +802,14 @@ def _timed_steps(
 
     rec = Recorder()
     stream = iter(rec)
-    for _ in range(ctx.shapes.warmup):
-        train_step(run, stream, 1)
+    for i in range(ctx.shapes.warmup):
+        train_step(run, stream, _one_row(i), epoch=0)
     _reset_peak(ctx.device)
     elapsed, tokens, flops, steps, loss = 0.0, 0, 0, 0, None
     while steps < count and (steps == 0 or time.monotonic() < cap_end):
         _sync(ctx.device)
         t0 = time.perf_counter()
-        metrics = train_step(run, stream, 1)
+        metrics = train_step(run, stream, _one_row(steps), epoch=1)
         _sync(ctx.device)
         elapsed += time.perf_counter() - t0
         steps += 1
@@ -816,9 +833,8 @@ def _timed_steps(
 
 def _bins(ctx: Context, spec: Any, dataset: Any, epoch: int = 0) -> list[list[int]]:
     from peagle_core.training.builders import epoch_bins
-    from peagle_core.training.distributed import DistInfo
 
-    return epoch_bins(list(range(len(dataset))), list(dataset.lengths), spec, epoch, DistInfo())
+    return epoch_bins(list(range(len(dataset))), list(dataset.lengths), spec, epoch)
 
 
 def _offline_bins(ctx: Context, seq_len: int) -> tuple[Any, Any, Any, list[list[int]]]:
@@ -927,8 +943,8 @@ def hybrid_epoch(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
         _sync(ctx.device)
         t0 = time.perf_counter()
         with contextlib.closing(iter(BatchLoader(dataset, source, bins, total_seq_len=seq_len))) as it:
-            for _ in bins:
-                train_step(run, it, 1)
+            for i in range(len(bins)):
+                train_step(run, it, _one_row(i), epoch=epoch)
         _sync(ctx.device)
         elapsed = time.perf_counter() - t0
         after = source.counters()
@@ -1124,6 +1140,7 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
         needs=("device", "peagle_core", "vllm_cuda"),
     )
     suite.stage("real_model", lambda cap: real_model(ctx, cap), needs=("device", "peagle_core", "vllm_cuda"))
+    suite.stage("scale", lambda cap: scale(ctx, cap), needs=("device", "peagle_core"))
     # Last: a child process of its own, so whatever time is left goes to it after every figure is in.
     suite.stage("cuda_tests", lambda cap: cuda_tests(ctx, cap), needs=("device", "peagle_core", "pytest"))
     return suite.summary()

@@ -167,6 +167,11 @@ class TrainingSpec(_Strict):
     total_seq_len: int = Field(default=8192, ge=16, le=1048576)
     grad_accum: int = Field(default=1, ge=1, le=1024)
     num_segments: int = Field(default=1, ge=1, le=64, description="Sequence partitioning for long contexts.")
+    sharding: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="How ranks share the drafter: `ddp` replicates it; `fsdp` shards weights, gradients and "
+        "optimizer state over the ranks (FSDP2, per decoder layer plus the root; bf16 compute on CUDA).",
+    )
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     checkpoint_every_steps: int = Field(default=500, ge=1, le=MAX_STEPS)
     eval_every_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)

@@ -1,11 +1,13 @@
 """Token alignment and sequence packing: whole documents packed into fixed-length rows for the drafter.
 
 `align_document` is the one place the drafter's shift convention lives (docs/interfaces.md, Token alignment);
-`pack_bins` groups samples into rows deterministically and `collate` builds the `PackedBatch`.
+`pack_bins` groups samples into rows deterministically, `step_shards` deals each optimizer step's rows out to
+the ranks, and `collate` builds the `PackedBatch`.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -77,20 +79,15 @@ def _first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack_bins(
-    lengths: Sequence[int], total_seq_len: int, seed: int, epoch: int, rank: int = 0, world_size: int = 1
-) -> list[list[int]]:
+def pack_bins(lengths: Sequence[int], total_seq_len: int, seed: int, epoch: int) -> list[list[int]]:
     """Group sample indices into rows whose aligned lengths (`n-1`) sum to at most `total_seq_len`.
 
     First-fit-decreasing over a shuffle seeded by (seed, epoch), then the bins themselves are shuffled so a
-    row's size does not follow its position in the epoch. With `world_size > 1` every rank gets the same
-    number of bins (the list is padded by repeating bins from its start) and rank r takes every
-    `world_size`-th one, so DDP ranks step in lockstep.
+    row's size does not follow its position in the epoch. The order is the same at every world size:
+    `step_shards` deals it out to the ranks.
     """
     if total_seq_len < 1:
         raise ValueError("total_seq_len must be >= 1")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, {world_size})")
     too_long = [i for i, n in enumerate(lengths) if n - 1 > total_seq_len]
     if too_long:
         i = too_long[0]
@@ -105,11 +102,47 @@ def pack_bins(
     order.sort(key=lambda i: lengths[i], reverse=True)  # stable: ties keep the shuffled order
     bins = [[order[j] for j in b] for b in _first_fit([lengths[i] - 1 for i in order], total_seq_len)]
     rng.shuffle(bins)
-    if world_size > 1 and bins:
-        short = -len(bins) % world_size
-        bins += [bins[j % len(bins)] for j in range(short)]
-        bins = bins[rank::world_size]
     return bins
+
+
+@dataclass(frozen=True)
+class StepShard:
+    """One rank's share of one optimizer step: positions in the epoch's bin order, and which are real.
+
+    A pad (`real` False) repeats a bin of the step at zero weight, so a rank short of a bin still runs the
+    forward/backward its collectives need; it consumes nothing.
+    """
+
+    bins: tuple[int, ...]
+    real: tuple[bool, ...]
+    step_bins: int  # real bins the whole step consumes, over all ranks
+
+    @property
+    def consumed(self) -> list[int]:
+        return [b for b, r in zip(self.bins, self.real, strict=True) if r]
+
+
+def step_shards(
+    num_bins: int, start: int, bins_per_step: int, rank: int = 0, world_size: int = 1
+) -> list[StepShard]:
+    """Rank `rank`'s shares of the steps left in an epoch of `num_bins` bins, from global position `start`.
+
+    Step s consumes bins [start + s*B, start + (s+1)*B) (fewer at the epoch's end) whatever the world size;
+    rank r takes every `world_size`-th of them from the r-th, and every rank runs as many micro-batches as
+    the busiest one (padding with zero-weight repeats), so DDP/FSDP collectives line up.
+    """
+    if bins_per_step < 1:
+        raise ValueError("bins_per_step must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    shards = []
+    for first in range(start, num_bins, bins_per_step):
+        block = range(first, min(first + bins_per_step, num_bins))
+        mine = list(block[rank::world_size])
+        rounds = math.ceil(len(block) / world_size)
+        pads = [block[0]] * (rounds - len(mine))
+        shards.append(StepShard(tuple(mine + pads), (True,) * len(mine) + (False,) * len(pads), len(block)))
+    return shards
 
 
 @dataclass

@@ -127,23 +127,28 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> t
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=False)
 
 
-def epoch_bins(
-    train_indices: list[int], lengths: list[int], spec: JobSpec, epoch: int, info: dist_utils.DistInfo
-):
-    """This rank's packed batches for `epoch`, as lists of dataset indices (equal counts on every rank)."""
+def global_batch_bins(spec: JobSpec) -> int:
+    """Packed rows per optimizer step, over all ranks: grad_accum x the world size the job asked for.
+
+    Fixed by the spec, not by how many ranks run it, so the optimizer trajectory (and a checkpoint's data
+    position) is the same at any world size.
+    """
+    return spec.training.grad_accum * spec.resources.gpus
+
+
+def epoch_bins(train_indices: list[int], lengths: list[int], spec: JobSpec, epoch: int) -> list[list[int]]:
+    """The packed rows of `epoch` as lists of dataset indices, in the one order every world size shares."""
     tc = spec.training
     sub_lengths = [lengths[i] for i in train_indices]
-    bins = pack_bins(
-        sub_lengths, tc.total_seq_len, tc.seed, epoch, rank=info.rank, world_size=info.world_size
-    )
+    bins = pack_bins(sub_lengths, tc.total_seq_len, tc.seed, epoch)
     return [[train_indices[j] for j in b] for b in bins]
 
 
-def count_steps(spec: JobSpec, train_idx: list[int], lengths: list[int], info: dist_utils.DistInfo) -> int:
-    """Optimizer steps of the whole run: every epoch's micro-batches in groups of grad_accum, capped."""
+def count_steps(spec: JobSpec, train_idx: list[int], lengths: list[int]) -> int:
+    """Optimizer steps of the whole run: every epoch's rows in groups of `global_batch_bins`, capped."""
     tc = spec.training
-    micro_per_epoch = [len(epoch_bins(train_idx, lengths, spec, e, info)) for e in range(tc.epochs)]
-    total = sum(math.ceil(n / tc.grad_accum) for n in micro_per_epoch)
+    per_step = global_batch_bins(spec)
+    total = sum(math.ceil(len(epoch_bins(train_idx, lengths, spec, e)) / per_step) for e in range(tc.epochs))
     if tc.max_steps is not None:
         total = min(total, tc.max_steps)
     if total == 0:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,13 +73,13 @@ def any_rank(flag: bool, info: DistInfo, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def mean_across_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """The element-wise mean of `t` over ranks (a copy; `t` is untouched)."""
+def sum_tensor_across_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The element-wise sum of `t` over ranks (a copy; `t` is untouched)."""
     if not info.enabled:
         return t
     t = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t / info.world_size
+    return t
 
 
 def sum_across_ranks(counts: dict[str, int], info: DistInfo, device: torch.device) -> dict[str, int]:
@@ -90,19 +88,5 @@ def sum_across_ranks(counts: dict[str, int], info: DistInfo, device: torch.devic
         return counts
     keys = list(counts)
     t = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64, device=device)
-    total = mean_across_ranks(t, info) * info.world_size
+    total = sum_tensor_across_ranks(t, info)
     return {k: round(v) for k, v in zip(keys, total.tolist(), strict=True)}
-
-
-def all_gather_tensors_state(obj: Any, info: DistInfo) -> list[Any]:
-    """Every rank's `obj` (nested containers of tensors and plain values), in rank order.
-
-    Goes through `torch.save` bytes because gloo's object collectives cannot pickle raw tensor storages.
-    """
-    if not info.enabled:
-        return [obj]
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    out: list[Any] = [None] * info.world_size
-    dist.all_gather_object(out, buf.getvalue())
-    return [torch.load(io.BytesIO(b), weights_only=True) for b in out]

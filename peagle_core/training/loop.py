@@ -3,13 +3,13 @@
 `train()` reads like torchtitan's trainer in miniature: `setup` builds everything once (data, hidden-state
 source, drafter, teacher, optimizer, resume point), then each loop iteration calls `train_step`,
 `maybe_evaluate` and `maybe_checkpoint`, and the end exports the drafter. Under torchrun it trains
-data-parallel.
+data-parallel (DDP or FSDP2, `training.sharding`); a step's rows, gradient and randomness do not depend on
+how many ranks run it, so a checkpoint resumes at any world size.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.tensor import DTensor
 
 from peagle_core.data import PreparedDataset
+from peagle_core.data.packing import StepShard, step_shards
 from peagle_core.errors import DataError, TrainingDiverged
 from peagle_core.evaluation.acceptance import EvalResult, evaluate
 from peagle_core.hidden_states.loader import BatchLoader, HiddenStateSource
@@ -41,6 +42,7 @@ from peagle_core.serving.judge import (
 )
 from peagle_core.spec import JobSpec
 from peagle_core.training import distributed as dist_utils
+from peagle_core.training import sharding
 from peagle_core.training.builders import (
     build_judge,
     build_model,
@@ -51,31 +53,33 @@ from peagle_core.training.builders import (
     epoch_bins,
     eval_categories,
     eval_prompts,
+    global_batch_bins,
     load_verifier,
 )
 from peagle_core.training.result import PipelineResult
 from peagle_core.training.resume import (
     DataPosition,
     TrainingState,
-    capture_rng,
     restore_latest,
     save_checkpoint,
-    step_dir_name,
 )
 from peagle_core.training.schedule import build_scheduler
 
 MetricsFn = Callable[[dict[str, Any]], None]
 EventFn = Callable[[str, str, dict[str, Any]], None]
+ConsumedFn = Callable[[int, list[int]], None]
 
 
 @dataclass
 class Hooks:
-    """The caller's callbacks: only rank 0 reports metrics and events; a stop request stops every rank."""
+    """The caller's callbacks: only rank 0 reports metrics and events; a stop request stops every rank;
+    `on_consumed(epoch, sample_ids)` hears, on every rank, the dataset samples each step trained that rank on."""
 
     info: dist_utils.DistInfo
     on_metrics: MetricsFn | None = None
     on_event: EventFn | None = None
     should_stop: Callable[[], bool] | None = None
+    on_consumed: ConsumedFn | None = None
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         if self.on_event is not None and self.info.is_main:
@@ -84,6 +88,10 @@ class Hooks:
     def report(self, metrics: dict[str, Any]) -> None:
         if self.on_metrics is not None and self.info.is_main:
             self.on_metrics(metrics)
+
+    def consumed(self, epoch: int, sample_ids: list[int]) -> None:
+        if self.on_consumed is not None:
+            self.on_consumed(epoch, sample_ids)
 
     def stop_requested(self, device: torch.device) -> bool:
         """A collective: every rank calls it and gets the same answer."""
@@ -103,12 +111,11 @@ class Trainer:
     train_idx: list[int]
     verifier: Verifier
     source: HiddenStateSource
-    model: PEagleDraftModel
-    ddp_model: torch.nn.Module  # the drafter, wrapped in DDP under torchrun
+    model: PEagleDraftModel  # sharded in place under FSDP (`sharding.full_model` gathers it whole)
+    train_module: torch.nn.Module  # what forward/backward run through: the drafter, or its DDP wrapper
     teacher: Teacher
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    cod_generator: torch.Generator
     autocast: Any  # bf16 autocast on CUDA, None on CPU (fp32)
     total_steps: int
     prompts: list[torch.Tensor]
@@ -127,7 +134,7 @@ class Progress:
 
     step: int = 0
     epoch: int = 0
-    batch_index: int = 0  # the epoch's next micro-batch
+    bins_done: int = 0  # the epoch's packed rows consumed so far, over all ranks
     metrics: dict[str, Any] = field(default_factory=dict)  # the last step's
     checkpoint: Path | None = None  # the newest training checkpoint
     evaluation: dict[str, Any] | None = None  # the last evaluation's results
@@ -140,15 +147,15 @@ class Progress:
         if state is None:
             return cls()
         at = state.position
-        return cls(step=at.step, epoch=at.epoch, batch_index=at.batch_index, checkpoint=state.path)
+        return cls(step=at.step, epoch=at.epoch, bins_done=at.bins_done, checkpoint=state.path)
 
     def running(self, total_steps: int) -> bool:
         return not self.stopped and self.step < total_steps
 
-    def advance(self, n_micro: int) -> None:
-        """One optimizer step over `n_micro` micro-batches is done."""
+    def advance(self, step_bins: int) -> None:
+        """One optimizer step over `step_bins` packed rows (all ranks together) is done."""
         self.step += 1
-        self.batch_index += n_micro
+        self.bins_done += step_bins
 
 
 # ------------------------------------------------------------------------------------------------ train
@@ -164,12 +171,15 @@ def train(
     dataset_dir: str | Path,
     cache_dir: str | Path | None = None,
     on_event: EventFn | None = None,
+    on_consumed: ConsumedFn | None = None,
 ) -> PipelineResult:
     """The training stage: train a drafter as `spec` says on the prepared dataset at `dataset_dir`, writing
     checkpoints and the final export under `out_dir`. `peagle_core.pipeline.stages.run_pipeline` runs the whole job
     (regeneration and data preparation first)."""
     info = dist_utils.init_distributed()
-    hooks = Hooks(info, on_metrics=on_metrics, on_event=on_event, should_stop=should_stop)
+    hooks = Hooks(
+        info, on_metrics=on_metrics, on_event=on_event, should_stop=should_stop, on_consumed=on_consumed
+    )
     run = None
     try:
         run, progress = setup(
@@ -194,16 +204,19 @@ def _train(run: Trainer, progress: Progress) -> PipelineResult:
     run.model.train()
     counters = run_start = run.source.counters()
     started, first_step = time.monotonic(), progress.step
+    rows_per_step, info = global_batch_bins(spec), run.info
     while progress.running(run.total_steps) and progress.epoch < tc.epochs:
-        bins = epoch_bins(run.train_idx, list(run.dataset.lengths), spec, progress.epoch, run.info)
-        loader = BatchLoader(
-            run.dataset, run.source, bins, total_seq_len=tc.total_seq_len, start=progress.batch_index
-        )
+        bins = epoch_bins(run.train_idx, list(run.dataset.lengths), spec, progress.epoch)
+        shards = step_shards(len(bins), progress.bins_done, rows_per_step, info.rank, info.world_size)
+        rows = [bins[b] for shard in shards for b in shard.bins]
+        loader = BatchLoader(run.dataset, run.source, rows, total_seq_len=tc.total_seq_len)
         with contextlib.closing(iter(loader)) as batches:
-            while progress.running(run.total_steps) and progress.batch_index < len(bins):
-                n_micro = min(tc.grad_accum, len(bins) - progress.batch_index)
-                metrics = train_step(run, batches, n_micro)
-                progress.advance(n_micro)
+            for shard in shards:
+                if not progress.running(run.total_steps):
+                    break
+                metrics = train_step(run, batches, shard, epoch=progress.epoch)
+                hooks.consumed(progress.epoch, [i for b in shard.consumed for i in bins[b]])
+                progress.advance(shard.step_bins)
                 progress.nonfinite_steps = 0 if _finite(metrics) else progress.nonfinite_steps + 1
                 per_step = (time.monotonic() - started) / (progress.step - first_step)
                 eta_s = per_step * (run.total_steps - progress.step)
@@ -220,13 +233,16 @@ def _train(run: Trainer, progress: Progress) -> PipelineResult:
     run.source.close()  # a hybrid run that ended mid-epoch still keeps what it computed
     totals = dist_utils.sum_across_ranks(_delta(run.source.counters(), run_start), run.info, run.device)
 
-    result = PipelineResult("stopped", progress.step, progress.checkpoint, model=run.model)
+    whole = sharding.full_model(run.model, run.info)  # a collective under FSDP
+    result = PipelineResult(
+        "stopped", progress.step, progress.checkpoint, model=whole if whole is not None else run.model
+    )
     if progress.stopped:
         hooks.event("stopped", f"stopped at step {progress.step}", step=progress.step)
         result.metrics = {**progress.metrics, **totals}
     else:
         result.status = "completed"
-        result.export_dir, result.evaluation, result.serving = export_drafter(run, progress)
+        result.export_dir, result.evaluation, result.serving = export_drafter(run, progress, whole)
         result.metrics = {**progress.metrics, **_eval_summary(progress.evaluation), **totals}
     return result
 
@@ -262,29 +278,30 @@ def setup(
     torch.manual_seed(tc.seed)
     model = build_model(spec, verifier, dataset, device)
     teacher = build_teacher(verifier, model)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay)
-    total_steps = count_steps(spec, train_idx, list(dataset.lengths), info)
+    train_module = sharding.wrap(model, tc.sharding, info, device)
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay)  # after sharding: FSDP's are the shards
+    total_steps = count_steps(spec, train_idx, list(dataset.lengths))
     scheduler = build_scheduler(
         optimizer,
         warmup_steps=math.ceil(tc.warmup_ratio * total_steps),
         total_steps=total_steps,
         min_lr_ratio=tc.min_lr_ratio,
     )
-    cod_generator = torch.Generator().manual_seed(tc.seed * 1_000_003 + info.rank)
     ckpt_root = out_dir / "checkpoints"
     restored = None
     if resume:
         restored = restore_latest(
-            ckpt_root,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            cod_generator=cod_generator,
-            rank=info.rank,
-            world_size=info.world_size,
+            ckpt_root, module=train_module, optimizer=optimizer, scheduler=scheduler, info=info
         )
         if restored is not None:
-            hooks.event("resume", f"resumed from {restored.path.name}", step=restored.position.step)
+            hooks.event(
+                "resume",
+                f"resumed from {restored.path.name} (written by {restored.world_size} ranks, now "
+                f"{info.world_size})",
+                step=restored.position.step,
+                from_world_size=restored.world_size,
+                world_size=info.world_size,
+            )
 
     prompts = eval_prompts(spec, dataset, val_idx, verifier)
     categories = eval_categories(spec, dataset, val_idx)
@@ -300,11 +317,10 @@ def setup(
         verifier=verifier,
         source=source,
         model=model,
-        ddp_model=DistributedDataParallel(model) if info.enabled else model,
+        train_module=train_module,
         teacher=teacher,
         optimizer=optimizer,
         scheduler=scheduler,
-        cod_generator=cod_generator,
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
         total_steps=total_steps,
         prompts=prompts,
@@ -337,42 +353,47 @@ def forward_backward(
         return partitioned_backward(model, teacher, batch, num_segments, generator=generator, scale=scale)
 
 
-def train_step(run: Trainer, batches: Iterator[Any], n_micro: int) -> dict[str, Any]:
-    """One optimizer step over the next `n_micro` micro-batches of `batches` (gradient accumulation).
+def cod_generator(seed: int, epoch: int, bin_index: int) -> torch.Generator:
+    """COD sampling's random stream for one packed row: a function of the row's place in the run, so the
+    same row draws the same anchors at any world size and after any resume."""
+    return torch.Generator().manual_seed(((seed * 1_000_003 + epoch) * 1_000_003 + bin_index) % 2**63)
 
-    Returns the step's metrics, averaged over micro-batches and ranks: loss, acc_{d}, positions_{d},
-    lr (the rate this step used) and tokens_per_s.
+
+def train_step(run: Trainer, batches: Iterator[Any], shard: StepShard, *, epoch: int) -> dict[str, Any]:
+    """One optimizer step: this rank's rows of it (`shard`, the next batches of `batches`), gradients
+    accumulated and then reduced over ranks.
+
+    The gradient is the mean over the step's real rows on all ranks: each row's loss is scaled by
+    1/`shard.step_bins`, times the world size because DDP and FSDP average the ranks' gradients where a
+    sum is wanted; pad rows have weight 0. Returns the step's metrics, means over its real rows: loss,
+    acc_{d}, positions_{d}, grad_norm (with clipping), lr (the rate this step used) and tokens_per_s.
     """
-    tc = run.spec.training
+    tc, info = run.spec.training, run.info
     started = time.monotonic()
     sums: dict[str, torch.Tensor] = {}
-    tokens = micro = 0
-    for micro, batch in enumerate(itertools.islice(batches, n_micro), start=1):
-        # Only the last micro-batch of a step all-reduces gradients.
-        last = micro == n_micro
-        sync = run.ddp_model.no_sync() if run.info.enabled and not last else contextlib.nullcontext()
-        with sync:
+    n = len(shard.bins)
+    for i, (row, real) in enumerate(zip(shard.bins, shard.real, strict=True)):
+        batch, weight = next(batches), 1.0 if real else 0.0
+        with sharding.grad_sync(run.train_module, sync=i == n - 1):  # reduce once, after the last row
             metrics = forward_backward(
-                run.ddp_model,
+                run.train_module,
                 run.teacher,
                 batch.to(run.device),
                 num_segments=tc.num_segments,
-                generator=run.cod_generator,
-                scale=1.0 / tc.grad_accum,
+                generator=cod_generator(tc.seed, epoch, row),
+                scale=weight * info.world_size / shard.step_bins,
                 autocast=run.autocast,
             )
+        metrics["tokens"] = torch.tensor(float(batch.num_tokens))
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0) + v
-        tokens += int(batch.num_tokens)
+            sums[k] = sums.get(k, 0) + v.to(run.device) * weight
 
-    if micro < tc.grad_accum:  # a short final accumulation: rescale to a mean over what we saw
-        for p in run.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(tc.grad_accum / micro)
+    norm = None
     if tc.grad_clip is not None:
         norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
-        sums["grad_norm"] = norm * micro  # _step_metrics averages over micro-batches
-    metrics = _step_metrics(sums, micro, run.info, run.device)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    metrics = _step_metrics(sums, shard.step_bins, norm, info)
+    tokens = metrics.pop("tokens")
     # A NaN/infinite loss or gradient would poison the weights and the optimizer's moments for good:
     # such a step updates nothing (the schedule still advances); `check_divergence` ends a streak of them.
     if _finite(metrics):
@@ -382,7 +403,7 @@ def train_step(run: Trainer, batches: Iterator[Any], n_micro: int) -> dict[str, 
     run.scheduler.step()
 
     elapsed = time.monotonic() - started
-    return {**metrics, "lr": lr, "tokens_per_s": tokens * run.info.world_size / max(elapsed, 1e-9)}
+    return {**metrics, "lr": lr, "tokens_per_s": tokens / max(elapsed, 1e-9)}
 
 
 # -------------------------------------------------------------------------------- evaluation and checkpoints
@@ -404,7 +425,10 @@ def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str
     """Acceptance length at every evaluated K on the held-out prompts (rank 0; {} elsewhere): ours, vLLM's
     spec-decode counters, or both (`evaluation.engine`), with a warning when the two disagree. Only the
     final evaluation is the `eval` stage; one mid-training is an `evaluation` event within `train`."""
-    if not run.info.is_main or not run.prompts:
+    if not run.prompts:
+        return {}
+    model = sharding.full_model(run.model, run.info)  # a collective under FSDP
+    if model is None or not run.info.is_main:
         return {}
     ks = run.spec.speculative_tokens
     engines = [name for name, on in (("peagle", run.engines.ours), ("vllm", run.engines.vllm)) if on]
@@ -417,7 +441,7 @@ def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str
     results: dict[str, dict[str, Any]] = {f"k={k}": {"k": k} for k in ks}
     if run.engines.ours:
         for k in ks:
-            r, categories = evaluate_ours(run, k)
+            r, categories = evaluate_ours(run, model, k)
             results[f"k={k}"].update(r.to_dict())
             if categories:
                 results[f"k={k}"]["categories"] = categories
@@ -426,23 +450,26 @@ def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str
                 | per_position_metrics("eval/acceptance_rate", k, r.acceptance_rate_per_position)
             )
     if run.engines.vllm and run.judge is not None:
-        figures = run.judge.evaluate_model(run.model, ks, verifier_config=run.verifier.config)
+        figures = run.judge.evaluate_model(model, ks, verifier_config=run.verifier.config)
         for k, fig in figures.items():
             results[f"k={k}"]["vllm"] = fig
         report_vllm_figures(run, step, results)
     return {"step": step, "results": results}
 
 
-def evaluate_ours(run: Trainer, k: int) -> tuple[EvalResult, dict[str, dict[str, Any]]]:
-    """Our evaluator at K on the evaluation prompts, and its figures per category where prompts have one
-    (each category decoded apart, then pooled: the pooled figures are the ungrouped ones)."""
+def evaluate_ours(
+    run: Trainer, model: PEagleDraftModel, k: int
+) -> tuple[EvalResult, dict[str, dict[str, Any]]]:
+    """Our evaluator at K with the whole drafter `model` on the evaluation prompts, and its figures per
+    category where prompts have one (each category decoded apart, then pooled: the pooled figures are the
+    ungrouped ones)."""
     eos = run.verifier.tokenizer.eos_token_id
     n = run.spec.evaluation.max_new_tokens
     groups = category_groups(run.prompt_categories)
     if not groups:
-        return evaluate(run.model, run.verifier, run.prompts, k, n, eos), {}
+        return evaluate(model, run.verifier, run.prompts, k, n, eos), {}
     parts = {
-        name: evaluate(run.model, run.verifier, [run.prompts[i] for i in ix], k, n, eos)
+        name: evaluate(model, run.verifier, [run.prompts[i] for i in ix], k, n, eos)
         for name, ix in groups.items()
     }
     return pool_eval(parts, groups), eval_categories_figures(parts)
@@ -503,9 +530,10 @@ def maybe_checkpoint(
 ) -> None:
     """Save a training checkpoint every `checkpoint_every_steps`, at the last step and when stopping.
 
-    Every rank's RNG state goes in, so a resumed run continues bit for bit; the data position points at
-    the next micro-batch (the next epoch's first when this one is done). Nothing is saved during a streak
-    of non-finite steps, so the newest checkpoint is always a good one.
+    The data position counts the epoch's packed rows consumed (0 of the next epoch when this one is
+    done); with COD's randomness a function of that position, it is all a resume at any world size needs
+    to continue the same trajectory. Nothing is saved during a streak of non-finite steps, so the newest
+    checkpoint is always a good one.
     """
     step = progress.step
     if progress.nonfinite_steps:
@@ -514,26 +542,22 @@ def maybe_checkpoint(
         progress.stopped or step >= run.total_steps or step % run.spec.training.checkpoint_every_steps == 0
     ):
         return
-    at_end = progress.batch_index == epoch_len
+    at_end = progress.bins_done >= epoch_len
     position = DataPosition(
         step=step,
         epoch=progress.epoch + 1 if at_end else progress.epoch,
-        batch_index=0 if at_end else progress.batch_index,
+        bins_done=0 if at_end else progress.bins_done,
     )
-    rngs = dist_utils.all_gather_tensors_state(capture_rng(run.cod_generator), run.info)
-    if run.info.is_main:
-        save_checkpoint(
-            run.ckpt_root,
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            position=position,
-            rng={"ranks": rngs},
-            metrics=progress.metrics,
-            extra_json={"eval.json": evaluation} if evaluation else None,
-        )
-    dist_utils.barrier(run.info)
-    progress.checkpoint = run.ckpt_root / step_dir_name(step)
+    progress.checkpoint = save_checkpoint(
+        run.ckpt_root,
+        module=run.train_module,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        position=position,
+        info=run.info,
+        metrics=progress.metrics,
+        extra_json={"eval.json": evaluation} if evaluation else None,
+    )
 
 
 def end_epoch(
@@ -543,7 +567,7 @@ def end_epoch(
     one is complete. `counters` are the source's at the epoch's start; returns the current ones."""
     now = run.source.counters()
     stats = dist_utils.sum_across_ranks(_delta(now, counters), run.info, run.device)
-    complete = progress.batch_index == epoch_len
+    complete = progress.bins_done >= epoch_len
     run.hooks.event(
         "epoch",
         f"epoch {progress.epoch} done: {stats['verifier_calls']} verifier calls, {stats['cache_hits']} cache hits",
@@ -553,7 +577,7 @@ def end_epoch(
         **stats,
     )
     if complete:
-        progress.epoch, progress.batch_index = progress.epoch + 1, 0
+        progress.epoch, progress.bins_done = progress.epoch + 1, 0
     return now
 
 
@@ -563,14 +587,15 @@ def _unverified(_checkpoint_dir: Path, reason: str) -> ServingCheck:
 
 
 def export_drafter(
-    run: Trainer, progress: Progress
+    run: Trainer, progress: Progress, whole: PEagleDraftModel | None
 ) -> tuple[Path | None, dict[str, Any] | None, ServingCheck | None]:
-    """Rank 0 writes the validated export to out_dir/export/step_N with eval.json beside it; returns the
-    export directory, its evaluation and the serving verdict (None, None, None on other ranks)."""
+    """Rank 0 writes the validated export of `whole` (the drafter gathered by `sharding.full_model`) to
+    out_dir/export/step_N with eval.json beside it; returns the export directory, its evaluation and the
+    serving verdict (None, None, None on other ranks)."""
     if progress.evaluation is None:  # resumed from the final checkpoint: its evaluation is not in memory
         progress.evaluation = evaluate_drafter(run, progress.step)
     export_dir = evaluation = check = None
-    if run.info.is_main:
+    if run.info.is_main and whole is not None:
         run.hooks.event("export", "exporting the drafter", step=progress.step)
         export_dir = run.out_dir / "export" / f"step_{progress.step}"
         summary = {**_eval_summary(progress.evaluation), "train/loss": progress.metrics.get("loss")}
@@ -595,7 +620,7 @@ def export_drafter(
             return verdicts[-1]
 
         export_checkpoint(
-            run.model,
+            whole,
             export_dir,
             verifier_name_or_path=run.spec.verifier.name_or_path,
             verifier_config=run.verifier.config,
@@ -622,14 +647,19 @@ def export_drafter(
 
 
 def _step_metrics(
-    sums: dict[str, torch.Tensor], micro: int, info: dist_utils.DistInfo, device: torch.device
+    sums: dict[str, torch.Tensor], rows: int, grad_norm: torch.Tensor | None, info: dist_utils.DistInfo
 ) -> dict[str, Any]:
-    """Mean over micro-batches (and ranks) of the accumulated metric tensors, pulled to the host once."""
+    """The step's metrics: the per-rank sums over real rows added up over ranks and divided by the step's
+    `rows` (`tokens` stays a total), with the gradient norm; pulled to the host once."""
     keys = sorted(sums)
-    packed = torch.stack([torch.as_tensor(sums[k], dtype=torch.float32).to(device) for k in keys]) / micro
-    packed = dist_utils.mean_across_ranks(packed, info)
-    values = packed.tolist()  # the step's single host sync
-    return {k: (round(v) if k.startswith("positions_") else v) for k, v in zip(keys, values, strict=True)}
+    packed = dist_utils.sum_tensor_across_ranks(torch.stack([sums[k].float() for k in keys]), info)
+    if grad_norm is not None:  # the same on every rank: it joins after the sum
+        keys.append("grad_norm")
+        packed = torch.cat([packed, grad_norm.float().reshape(1).to(packed.device)])
+    values = dict(zip(keys, packed.tolist(), strict=True))  # the step's single host sync
+    out = {k: (round(v / rows) if k.startswith("positions_") else v / rows) for k, v in values.items()}
+    out.update({k: values[k] for k in ("tokens", "grad_norm") if k in values})
+    return out
 
 
 def _eval_summary(eval_result: dict[str, Any] | None) -> dict[str, float]:

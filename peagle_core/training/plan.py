@@ -274,7 +274,6 @@ def plan_job(
     """The plan of `spec` on this device, and the rates it used (calibrated here unless `rates` is given)."""
     from peagle_core.data.prepare import prepare_for_spec
     from peagle_core.hidden_states.codec import bytes_per_token
-    from peagle_core.training import distributed as dist_utils
     from peagle_core.training.builders import count_steps
 
     data_path, work_dir = Path(data_path), Path(work_dir)
@@ -283,8 +282,7 @@ def plan_job(
     dataset = prepare_for_spec(spec, data_path, work_dir / "prepared")
     prepare_s = time.perf_counter() - t0
     train_idx, val_idx = dataset.split(spec.dataset.val_fraction, spec.training.seed)
-    info = dist_utils.DistInfo(rank=0, world_size=spec.resources.gpus)
-    steps = count_steps(spec, train_idx, dataset.lengths, info)
+    steps = count_steps(spec, train_idx, dataset.lengths)
 
     source = "stored"
     if rates is None:

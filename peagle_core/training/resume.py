@@ -1,117 +1,133 @@
-"""Training-state checkpoints: weights, optimizer, scheduler, RNG streams and data position, saved atomically.
+"""Training-state checkpoints that load at any world size: model and optimizer through
+torch.distributed.checkpoint (sharded, resharded on load), schedule and data position in meta.json.
 
-Layout: `root/step_{N:08d}/{model.safetensors, state.pt, meta.json}`; `root/latest` names the newest one and
-is written last, so a crash mid-save leaves the previous checkpoint as the one a resume picks up.
+Layout: `root/step_{N:08d}/{.metadata, __R_0.distcp..., model.safetensors, meta.json}`. Every rank writes
+its shards into one temporary directory; rank 0 adds the whole weights (`model.safetensors`, for readers
+that want one file) and meta.json, renames it into place and then writes `root/latest`, so a crash mid-save
+leaves the previous checkpoint as the one a resume picks up. Checkpoints of the earlier format
+(`model.safetensors` + `state.pt` with per-rank RNG) still resume at the world size that wrote them.
 """
 
 from __future__ import annotations
 
 import json
-import random
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from peagle_core.errors import CheckpointError
-from peagle_core.io import atomic_dir, atomic_write_bytes
+from peagle_core.io import atomic_write_bytes
+from peagle_core.training import distributed as dist_utils
+from peagle_core.training.sharding import full_state_dict
 
 LATEST = "latest"
 WEIGHTS = "model.safetensors"
-STATE = "state.pt"
 META = "meta.json"
+DCP_METADATA = ".metadata"  # written by DCP once every rank's shards are down
+LEGACY_STATE = "state.pt"  # the earlier format's optimizer, scheduler and per-rank RNG
 
 
 @dataclass
 class DataPosition:
-    """Where training resumes: the epoch and the index of the next packed batch (micro-batch) in it."""
+    """Where training resumes: the epoch and how many of its packed rows (in the world-size-free order of
+    `peagle_core.data.packing.pack_bins`) earlier steps consumed."""
 
     step: int
     epoch: int
-    batch_index: int
+    bins_done: int
+
+
+@dataclass
+class TrainingState:
+    """A restored checkpoint: where it is, where training continues, and who wrote it."""
+
+    path: Path
+    position: DataPosition
+    metrics: dict[str, Any]
+    world_size: int  # of the run that wrote it
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-# --------------------------------------------------------------------------------------------- RNG state
-
-
-def capture_rng(cod_generator: torch.Generator | None = None) -> dict[str, Any]:
-    """Every random stream training draws from, in a form `torch.load(weights_only=True)` accepts."""
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if cod_generator is not None:
-        state["cod"] = cod_generator.get_state()
-    return state
-
-
-def restore_rng(state: dict[str, Any], cod_generator: torch.Generator | None = None) -> None:
-    """Put every stream back where `capture_rng` found it."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, keys.numpy(), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if cod_generator is not None and "cod" in state:
-        cod_generator.set_state(state["cod"])
-
-
-def _tuples(x: Any) -> Any:
-    # random.setstate needs tuples; a round trip through torch.save may hand back lists.
-    return tuple(_tuples(v) for v in x) if isinstance(x, list | tuple) else x
-
-
-# ------------------------------------------------------------------------------------------- save / load
+# ------------------------------------------------------------------------------------------------- save
 
 
 def save_checkpoint(
     root: str | Path,
     *,
-    model: torch.nn.Module,
+    module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     position: DataPosition,
-    rng: dict[str, Any],
+    info: dist_utils.DistInfo,
     metrics: dict[str, Any] | None = None,
     extra_json: dict[str, Any] | None = None,
     keep_last: int | None = 2,
 ) -> Path:
-    """Write `root/step_N/` atomically, then point `root/latest` at it and prune older checkpoints.
-
-    `extra_json` maps file names to objects stored beside the state (e.g. `eval.json`).
-    """
+    """Write `root/step_N/` (a collective: every rank calls it), then point `root/latest` at it and prune
+    older checkpoints. `module` is what training runs (plain, DDP or FSDP). `extra_json` maps file names to
+    objects stored beside the state (e.g. `eval.json`); rank 0's are the ones written."""
     root = Path(root)
     final = root / step_dir_name(position.step)
-    weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    with atomic_dir(final) as tmp:
-        save_file(weights, str(tmp / WEIGHTS))
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng},
-            tmp / STATE,
-        )
-        meta = {"position": asdict(position), "metrics": metrics or {}}
+    # One name every rank agrees on (rank 0 clears a leftover of a crashed save first).
+    tmp = root / f".{final.name}.tmp-dcp"
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist_utils.barrier(info)
+    model_state, optim_state = get_state_dict(module, optimizer)
+    # Synchronous: dcp.async_save would return after staging, but `latest` may only name a checkpoint
+    # whose files are all down, so its rename would wait on the future anyway (bench/scale.py measures it).
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    weights = full_state_dict(module)
+    if info.is_main:
+        save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        meta = {
+            "format": "dcp",
+            "position": asdict(position),
+            "scheduler": scheduler.state_dict(),
+            "world_size": info.world_size,
+            "metrics": metrics or {},
+        }
         (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
-    if keep_last:
-        for old in sorted(root.glob("step_*"))[:-keep_last]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, final)
+        atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
+        if keep_last:
+            for old in sorted(root.glob("step_*"))[:-keep_last]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    dist_utils.barrier(info)
     return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """fsync every file of `tmp`, then rename it to `final` (replacing one a crashed run left)."""
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------- load
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -128,62 +144,87 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
-@dataclass
-class TrainingState:
-    """A checkpoint read back: model weights and everything needed to continue bit-for-bit."""
-
-    path: Path
-    weights: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    rng: dict[str, Any]
-    position: DataPosition
-    metrics: dict[str, Any]
-
-
-def load_checkpoint(path: str | Path) -> TrainingState:
-    """Read a `step_N/` directory written by `save_checkpoint`."""
-    path = Path(path)
-    try:
-        meta = json.loads((path / META).read_text())
-        state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-        weights = load_file(str(path / WEIGHTS))
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError([f"cannot read training checkpoint: {exc}"], path=str(path)) from None
-    return TrainingState(
-        path=path,
-        weights=weights,
-        optimizer=state["optimizer"],
-        scheduler=state["scheduler"],
-        rng=state["rng"],
-        position=DataPosition(**meta["position"]),
-        metrics=meta.get("metrics", {}),
-    )
-
-
 def restore_latest(
     root: str | Path,
     *,
-    model: torch.nn.Module,
+    module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    cod_generator: torch.Generator,
-    rank: int = 0,
-    world_size: int = 1,
+    info: dist_utils.DistInfo,
 ) -> TrainingState | None:
-    """Load the newest checkpoint under `root` into the training objects: weights, optimizer, schedule and
-    this rank's RNG streams. Returns it (its `position` says where to continue), or None when there is none."""
+    """Load the newest checkpoint under `root` into the training objects (every rank calls it), at this
+    run's world size and sharding. Returns it (its `position` says where to continue), or None when there
+    is none."""
     latest = latest_checkpoint(root)
     if latest is None:
         return None
-    state = load_checkpoint(latest)
-    rngs = state.rng["ranks"]
-    if len(rngs) != world_size:
+    try:
+        meta = json.loads((latest / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError([f"cannot read training checkpoint: {exc}"], path=str(latest)) from None
+    if (latest / DCP_METADATA).is_file():
+        return _restore_dcp(latest, meta, module, optimizer, scheduler)
+    if (latest / LEGACY_STATE).is_file():
+        return _restore_legacy(latest, meta, module, optimizer, scheduler, info)
+    raise CheckpointError([f"{latest.name} holds neither DCP shards nor {LEGACY_STATE}"], path=str(latest))
+
+
+def _restore_dcp(
+    path: Path,
+    meta: dict[str, Any],
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> TrainingState:
+    model_state, optim_state = get_state_dict(module, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as exc:  # DCP raises CheckpointException and friends from every rank's reader
+        raise CheckpointError([f"cannot read training checkpoint: {exc}"], path=str(path)) from None
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(meta["scheduler"])
+    return TrainingState(
+        path=path,
+        position=DataPosition(**meta["position"]),
+        metrics=meta.get("metrics", {}),
+        world_size=int(meta["world_size"]),
+    )
+
+
+def _restore_legacy(
+    path: Path,
+    meta: dict[str, Any],
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    info: dist_utils.DistInfo,
+) -> TrainingState:
+    """The earlier format: whole weights, optimizer and scheduler state, a per-rank position."""
+    try:
+        state = torch.load(path / LEGACY_STATE, map_location="cpu", weights_only=True)
+        weights = load_file(str(path / WEIGHTS))
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError([f"cannot read training checkpoint: {exc}"], path=str(path)) from None
+    written_by = len(state["rng"]["ranks"])
+    if written_by != info.world_size:
         raise CheckpointError(
-            [f"checkpoint was written by {len(rngs)} ranks, this run has {world_size}"], path=str(latest)
+            [f"checkpoint {path.name} is in the earlier (pre-DCP) format, written by {written_by} ranks; it "
+             f"resumes only at that world size, and this run has {info.world_size}"],
+            path=str(path),
+        )  # fmt: skip
+    if isinstance(module, FSDPModule):
+        raise CheckpointError(
+            [
+                f"checkpoint {path.name} is in the earlier (pre-DCP) format; resume it with training.sharding: ddp"
+            ],
+            path=str(path),
         )
-    model.load_state_dict(state.weights)
-    optimizer.load_state_dict(state.optimizer)
-    scheduler.load_state_dict(state.scheduler)
-    restore_rng(rngs[rank], cod_generator)
-    return state
+    getattr(module, "module", module).load_state_dict(weights)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    old = meta["position"]
+    # Its batch_index counted each rank's micro-batches; rank r's j-th was row j*W + r of the same shuffled
+    # order (rows were dealt round-robin), so j rows per rank are j*W rows of the epoch.
+    position = DataPosition(step=old["step"], epoch=old["epoch"], bins_done=old["batch_index"] * written_by)
+    return TrainingState(path=path, position=position, metrics=meta.get("metrics", {}), world_size=written_by)

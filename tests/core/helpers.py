@@ -1,4 +1,4 @@
-"""Helpers shared by the trainer tests (test_train, test_ddp): a small job spec and weight comparison."""
+"""Helpers shared by the trainer tests (test_train, test_world_size): a small job spec and weight comparison."""
 
 from __future__ import annotations
 

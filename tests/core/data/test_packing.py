@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peagle_core.data import PreparedDataset
-from peagle_core.data.packing import align_document, collate, pack_bins
+from peagle_core.data.packing import align_document, collate, pack_bins, step_shards
 from peagle_core.errors import DataError
 
 
@@ -57,11 +57,22 @@ def test_pack_bins_fills_without_overflow_and_is_deterministic() -> None:
         pack_bins([10, 200], 128, seed=0, epoch=0)
 
 
-def test_pack_bins_shards_evenly_across_ranks() -> None:
-    lengths = [30] * 21  # 4 per bin -> 6 bins, not a multiple of 4 ranks
-    shards = [pack_bins(lengths, 120, seed=0, epoch=0, rank=r, world_size=4) for r in range(4)]
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_step_shards_deal_each_step_out_to_any_world_size(world_size: int) -> None:
+    num_bins, per_step, start = 23, 6, 12  # resuming two steps in; the last step has 5 rows
+    shards = [step_shards(num_bins, start, per_step, r, world_size) for r in range(world_size)]
+    # Every rank runs the same number of steps, each with as many rows as the busiest rank.
     assert len({len(s) for s in shards}) == 1
-    assert {i for s in shards for b in s for i in b} == set(range(21))
+    for step in zip(*shards, strict=True):
+        assert len({len(s.bins) for s in step}) == 1
+        consumed = sorted(b for s in step for b in s.consumed)
+        first = start + per_step * (shards[0].index(step[0]))
+        assert consumed == list(range(first, min(first + per_step, num_bins)))  # the same at any W
+        assert {s.step_bins for s in step} == {len(consumed)}
+        for s in step:  # pads repeat a row of the step
+            assert all(b in consumed for b, real in zip(s.bins, s.real, strict=True) if not real)
+    everything = sorted(b for s in shards for shard in s for b in shard.consumed)
+    assert everything == list(range(start, num_bins))  # each remaining row once
 
 
 def test_collate_packs_documents_with_ids_positions_and_padding() -> None:
