@@ -482,7 +482,7 @@ def _gang_member(stack: Stack, job_id: str) -> subprocess.Popen[bytes] | None:
 
 
 def _node_loss(stack: Stack, trials: int, args: argparse.Namespace, *, nodes: int | str, name: str) -> None:
-    started, jobs, kills, steps_lost, worlds = time.monotonic(), [], 0, [], []
+    started, jobs, kills, steps_lost, worlds, resumes = time.monotonic(), [], 0, [], [], []
     for _ in range(trials):
         # Our decoder only: the scenario is about training, and no vLLM engine starts on a CPU box.
         job_id = stack.submit(
@@ -505,6 +505,14 @@ def _node_loss(stack: Stack, trials: int, args: argparse.Namespace, *, nodes: in
         stack.wait_done([job_id], args.deadline_s)
         steps_lost.append(_steps_trained_twice(stack, job_id))
         events = (stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []})["data"]
+        # The trainer's resumes: [step, world size that wrote the checkpoint, world size now].
+        resumes.append(
+            [
+                [d["step"], d.get("from_world_size"), d.get("world_size")]
+                for e in events
+                if (d := e["data"] or {}).get("kind") == "resume" and "step" in d
+            ]
+        )
         # One entry per start of the ranks (a requeue, or torchrun re-forming the gang): its world size.
         worlds.append(
             [
@@ -514,8 +522,9 @@ def _node_loss(stack: Stack, trials: int, args: argparse.Namespace, *, nodes: in
             ]
         )
     _verdict(
-        stack, name, jobs, args.deadline_s, started, kills=kills, steps_lost=steps_lost, world_sizes=worlds
-    )
+        stack, name, jobs, args.deadline_s, started, kills=kills, steps_lost=steps_lost, world_sizes=worlds,
+        resumes=resumes,
+    )  # fmt: skip
 
 
 def _steps_trained_twice(stack: Stack, job_id: str) -> int:
