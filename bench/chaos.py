@@ -6,7 +6,7 @@ on free ports of this machine (nothing shared is touched). Jobs are toy training
 
     python bench/chaos.py                      # the issue's counts
     python bench/chaos.py --sigkill 3 --pg-outage 1 --redis-jobs 6 --freeze 1 --cross-machine 1 \
-        --tracker-outage 1 --drain-multigpu 1 --dataset-race 10
+        --tracker-outage 1 --drain-multigpu 1 --dataset-race 10 --node-loss 1 --node-loss-elastic 1
 
 Scenarios: `sigkill` (SIGKILL a worker's tree at a random point, start a replacement on the same scratch),
 `pg_outage` (Postgres stopped for --outage-s mid-job), `redis_restart` (redis-server killed and restarted
@@ -18,7 +18,13 @@ TensorBoard archive is served and at most one warning event is logged), `drain_m
 worker holding a two-rank job (CPU ranks over gloo): the job is requeued with a checkpoint, resumes on a
 replacement worker and succeeds), `dataset_race` (DELETE an uploaded dataset while a job naming it is
 created, both at once: `orphaned` counts trials where both succeeded, i.e. a job queued on a deleted
-dataset; every job so created is cancelled again).
+dataset; every job so created is cancelled again), `node_loss` (a job on both workers as two machines,
+`resources.nodes: 2`: SIGKILL the member machine's worker tree mid-training; the job returns to the
+queue and resumes from its last checkpoint once a replacement worker joins) and `node_loss_elastic` (the
+same with `resources.nodes: "1:2"`: torchrun re-forms the gang on the survivor, which resumes from its
+last checkpoint at world size 1). Both report `steps_lost` (steps trained again after the resume: the
+highest step reached before it minus the step resumed from) and the world size of each start of the
+ranks.
 
 lost: a job that did not succeed within --deadline-s. duplicated: a job with more than one published
 checkpoint, or whose metric rows show an older attempt writing after a newer one started (two attempts
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -457,6 +464,93 @@ def scenario_drain_multigpu(stack: Stack, trials: int, args: argparse.Namespace)
     )
 
 
+def _gang_member(stack: Stack, job_id: str) -> subprocess.Popen[bytes] | None:
+    """The worker serving as a member machine of the job's current attempt (its name ends in its pid)."""
+    from sqlalchemy import select
+
+    from service.db.models import Job, JobNode
+    from service.db.session import session_factory
+
+    with session_factory(stack.pg.url)() as s:
+        attempt = s.scalar(select(Job.attempt).where(Job.id == job_id))
+        names = s.scalars(
+            select(JobNode.worker_name).where(
+                JobNode.job_id == job_id, JobNode.attempt == attempt, JobNode.left_at.is_(None)
+            )
+        ).all()
+    return next((w for w in stack.workers if any(n.endswith(f".{w.pid}") for n in names)), None)
+
+
+def _node_loss(stack: Stack, trials: int, args: argparse.Namespace, *, nodes: int | str, name: str) -> None:
+    started, jobs, kills, steps_lost, worlds, resumes = time.monotonic(), [], 0, [], [], []
+    for _ in range(trials):
+        # Our decoder only: the scenario is about training, and no vLLM engine starts on a CPU box.
+        job_id = stack.submit(
+            args.steps,
+            resources={"nodes": nodes},
+            evaluation={"engine": "peagle"},
+            export={"vllm_check": False},
+        )
+        jobs.append(job_id)
+        # Past the first periodic checkpoint (every 5 steps), with the member machine in the world.
+        victim = None
+        if stack.wait_step(job_id, 8, args.deadline_s):
+            stack._until("a member machine", lambda j=job_id: _gang_member(stack, j), 60, fail=False)
+            victim = _gang_member(stack, job_id)
+        if victim is not None:
+            machine = victim.machine  # type: ignore[attr-defined]
+            stack.kill(victim)
+            kills += 1
+            stack.add_worker(machine)  # the machine comes back (a fresh worker on its scratch)
+        stack.wait_done([job_id], args.deadline_s)
+        steps_lost.append(_steps_trained_twice(stack, job_id))
+        events = (stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []})["data"]
+        # The trainer's resumes: [step, world size that wrote the checkpoint, world size now].
+        resumes.append(
+            [
+                [d["step"], d.get("from_world_size"), d.get("world_size")]
+                for e in events
+                if (d := e["data"] or {}).get("kind") == "resume" and "step" in d
+            ]
+        )
+        # One entry per start of the ranks (a requeue, or torchrun re-forming the gang): its world size.
+        worlds.append(
+            [
+                d["world_size"]
+                for e in events
+                if (d := e["data"] or {}).get("kind") == "rank" and d["rank"] == 0
+            ]
+        )
+    _verdict(
+        stack, name, jobs, args.deadline_s, started, kills=kills, steps_lost=steps_lost, world_sizes=worlds,
+        resumes=resumes,
+    )  # fmt: skip
+
+
+def _steps_trained_twice(stack: Stack, job_id: str) -> int:
+    """Steps trained again after a resume: each time the training metric rows' step goes back, the steps
+    from the resumed one up to the highest before it were lost."""
+    from sqlalchemy import select
+
+    from service.db.models import JobMetric
+    from service.db.session import session_factory
+
+    with session_factory(stack.pg.url)() as s:
+        rows = s.execute(
+            select(JobMetric.step, JobMetric.values).where(JobMetric.job_id == job_id).order_by(JobMetric.id)
+        )
+        steps = [step for step, values in rows if "loss" in values]
+    return sum(prev - (step - 1) for prev, step in itertools.pairwise(steps) if step <= prev)
+
+
+def scenario_node_loss(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    _node_loss(stack, trials, args, nodes=2, name="node_loss")
+
+
+def scenario_node_loss_elastic(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    _node_loss(stack, trials, args, nodes="1:2", name="node_loss_elastic")
+
+
 def scenario_dataset_race(stack: Stack, trials: int, args: argparse.Namespace) -> None:
     import threading
 
@@ -515,6 +609,8 @@ SCENARIOS = {
     "tracker_outage": scenario_tracker_outage,
     "drain_multigpu": scenario_drain_multigpu,
     "dataset_race": scenario_dataset_race,
+    "node_loss": scenario_node_loss,
+    "node_loss_elastic": scenario_node_loss_elastic,
 }
 
 
@@ -528,6 +624,8 @@ def main() -> None:
     ap.add_argument("--tracker-outage", type=int, default=2)
     ap.add_argument("--drain-multigpu", type=int, default=3)
     ap.add_argument("--dataset-race", type=int, default=30)
+    ap.add_argument("--node-loss", type=int, default=2)
+    ap.add_argument("--node-loss-elastic", type=int, default=2)
     ap.add_argument("--outage-s", type=float, default=60.0)
     ap.add_argument(
         "--steps", type=int, default=200, help="training steps per job (~15 steps/s on a free core)"
@@ -551,6 +649,8 @@ def main() -> None:
         "tracker_outage": args.tracker_outage,
         "drain_multigpu": args.drain_multigpu,
         "dataset_race": args.dataset_race,
+        "node_loss": args.node_loss,
+        "node_loss_elastic": args.node_loss_elastic,
     }
     try:
         for name, trials in counts.items():

@@ -34,6 +34,7 @@ MAX_PROMPTS = 1000
 MAX_PROMPT_CHARS = 32768
 MAX_CATEGORY_CHARS = 64
 MAX_SEED = (1 << 63) - 1  # seeds travel as signed 64-bit integers (torch, numpy, Postgres BIGINT)
+MAX_NODES = 16
 
 
 class _Strict(BaseModel):
@@ -263,6 +264,45 @@ class ResourcesSpec(_Strict):
     data_parallel_size: int = Field(
         default=1, ge=1, le=64, description="vLLM hidden-state engine: verifier replicas."
     )
+    nodes: int | str = Field(
+        default=1,
+        description=f'Machines the job trains on (`gpus` each): N (1-{MAX_NODES}), or "MIN:MAX" for an '
+        "elastic job that goes on, from its last checkpoint, while at least MIN machines remain.",
+    )
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _node_count(cls, v: Any) -> int | str:
+        if isinstance(v, int) and not isinstance(v, bool):
+            if not 1 <= v <= MAX_NODES:
+                raise ValueError(f"must be between 1 and {MAX_NODES}, got {v}")
+            return v
+        if isinstance(v, str) and len(v) <= 8:
+            low, sep, high = v.partition(":")
+            if sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high) <= MAX_NODES:
+                return f"{int(low)}:{int(high)}"
+        raise ValueError(
+            f'give a node count (1-{MAX_NODES}) or "MIN:MAX" with 1 <= MIN <= MAX <= {MAX_NODES}'
+        )
+
+    @property
+    def nodes_min(self) -> int:
+        return self.nodes if isinstance(self.nodes, int) else int(self.nodes.split(":")[0])
+
+    @property
+    def nodes_max(self) -> int:
+        return self.nodes if isinstance(self.nodes, int) else int(self.nodes.split(":")[1])
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may go on with fewer machines than it started on (MIN < MAX)."""
+        return self.nodes_min < self.nodes_max
+
+    @property
+    def nominal_world_size(self) -> int:
+        """Ranks at full strength (gpus x the most nodes): what batch sizes and schedules are sized for, so
+        that a run that loses or gains a machine keeps the same global batch."""
+        return self.gpus * self.nodes_max
 
 
 class TrackingSpec(_Strict):
@@ -315,6 +355,11 @@ class JobSpec(_Strict):
                     f"resources: tensor_parallel_size x data_parallel_size "
                     f"({res.tensor_parallel_size * res.data_parallel_size}) exceeds gpus ({res.gpus})"
                 )
+        if res.nodes_max > 1 and self.hidden_states.engine == "vllm":
+            raise ValueError(
+                "resources.nodes: a job across machines computes hidden states in its training ranks; "
+                "use hidden_states.engine: transformers"
+            )
         if self.training.total_seq_len < self.dataset.seq_len:
             raise ValueError(
                 f"training.total_seq_len ({self.training.total_seq_len}) must be >= dataset.seq_len "

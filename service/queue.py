@@ -13,6 +13,7 @@ from rq.job import JobStatus
 
 RUN_JOB_FUNC = "worker.tasks.run_job"
 PLAN_FUNC = "worker.tasks.run_plan"
+JOIN_FUNC = "worker.tasks.join_job"
 PLAN_RESULT_TTL_S = 24 * 3600  # a plan's answer waits this long in Redis for the API to read it
 
 # An RQ job in one of these is waiting for or held by a worker: enqueueing again would run it twice.
@@ -65,6 +66,25 @@ def enqueue_run(redis: Redis, job_id: str, queue_name: str, timeout_s: int) -> R
     except DuplicateJobError:
         # Another process enqueued it between our check and our write: theirs is the one.
         return RQJob.fetch(job_id, connection=redis)
+
+
+def enqueue_join(
+    redis: Redis, job_id: str, attempt: int, slot: int, queue_name: str, *, timeout_s: int, wait_s: float
+) -> RQJob:
+    """Ask a worker of `queue_name` to join `attempt` of a multi-node job as member `slot`. Joins go ahead
+    of queued jobs (a gang holds its leader's machine while it waits); one nobody takes within `wait_s` is
+    dropped, and a late one for an older attempt is dropped by the worker (`worker.gang`)."""
+    return Queue(queue_name, connection=redis).enqueue_call(
+        JOIN_FUNC,
+        args=(job_id, attempt, slot),
+        job_id=f"{job_id}-a{attempt}-node{slot}",
+        timeout=timeout_s,
+        ttl=max(1, math.ceil(wait_s)),
+        result_ttl=3600,
+        failure_ttl=24 * 3600,
+        at_front=True,
+        description=f"peagle job {job_id} attempt {attempt}: node {slot}",
+    )
 
 
 def enqueue_plan(redis: Redis, queue_name: str, plan_id: str, spec: dict, data: dict, timeout_s: float, *,

@@ -130,6 +130,28 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(
         default=10.0, gt=0, description="How often a worker records that a running job is still alive."
     )
+    worker_address: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        max_length=253,
+        description="This machine's address as the other machines of a multi-node job reach it: where the "
+        "worker that leads such a job hosts its torchrun rendezvous (c10d store), and each node's address "
+        "in it. Set it on every machine of a multi-node queue.",
+    )
+    gang_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=24 * 3600,
+        description="How long a multi-node job (resources.nodes > 1) waits for its machines to join before "
+        "it fails with gang_incomplete.",
+    )
+    elastic_max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=100,
+        description='How often an elastic job (resources.nodes "MIN:MAX") re-forms after losing or gaining '
+        "a machine before it fails.",
+    )
     db_outage_tolerance_s: float = Field(
         default=300.0,
         ge=0,

@@ -4,7 +4,8 @@
 the job's status at most every `poll_s` and, every `heartbeat_s`, stamps `heartbeat_at` (database time)
 and refreshes the job's liveness key in Redis: how the reconciler tells a live job from one whose worker
 died. Every check and stamp is for the attempt this worker claimed (its fencing token): once the job is
-claimed again by someone else, this worker's job is `lost`.
+claimed again by someone else, this worker's job is `lost`. A member machine of a multi-node job
+(`slot`) stamps its own `job_nodes` row instead: the job's heartbeat stays its leader's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.crud.gang import node_heartbeat
 from service.crud.jobs import ACTIVE_STATUSES, heartbeat, holder
 from service.queue import mark_alive
 
@@ -46,8 +48,10 @@ class JobMonitor:
         poll_s: float = 0.5,
         heartbeat_s: float = 10.0,
         redis: Redis | None = None,
+        slot: int | None = None,
     ):
         self.sessions = sessions
+        self.slot = slot
         self.job_id = job_id
         self.attempt = attempt
         self.poll_s = poll_s
@@ -106,7 +110,10 @@ class JobMonitor:
     def beat(self) -> None:
         """Stamp the row's heartbeat (database time) if this attempt still holds the job."""
         with self.sessions() as session:
-            ours = heartbeat(session, self.job_id, self.attempt)
+            if self.slot is None:
+                ours = heartbeat(session, self.job_id, self.attempt)
+            else:
+                ours = node_heartbeat(session, self.job_id, self.attempt, self.slot)
             session.commit()
         if not ours:
             self.lost.set()

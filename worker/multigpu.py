@@ -7,6 +7,10 @@ horse as PREEMPT_SIGNAL; the horse forwards it to every rank (each announces its
 handler is installed, so no rank is killed by a signal it cannot handle yet), the ranks agree to stop, and
 rank 0 saves a checkpoint before it reports, exactly as a single-process job does.
 
+A job across machines (`worker.gang`) runs the same ranks under a torchrun that joins the job's c10d
+rendezvous instead of `--standalone`; the ranks then renumber themselves so that the leader's come first
+(`leader_first`), and rank 0, which reports, runs beside the worker that publishes.
+
 A job asking for more GPUs than the worker sees fails with `insufficient_gpus`. On a machine without
 GPUs, `PEAGLE_ALLOW_CPU_MULTIPROCESS=1` runs the ranks as CPU processes over gloo instead (for tests and
 development; it is never what a real job wants).
@@ -33,11 +37,15 @@ from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
 from worker.job_io import error_for, event_recorder, setup_logging, write_event
 from worker.monitor import PREEMPT_SIGNAL
+from worker.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 
 
 ALLOW_CPU_ENV = "PEAGLE_ALLOW_CPU_MULTIPROCESS"
+ABANDON_GRACE_S = (
+    15.0  # how long ranks whose job moved on get to stop by themselves before torchrun is stopped
+)
 
 
 def rank_device(gpus: int) -> str:
@@ -70,16 +78,63 @@ def train_distributed(
     attempt: int,
     worker_name: str,
     preempted: threading.Event | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> PipelineResult:
-    """The pipeline's training stage on `spec.resources.gpus` local ranks; returns rank 0's result.
+    """The pipeline's training stage on `spec.resources.gpus` local ranks (and, with `rendezvous`, on the
+    other machines that join it); returns rank 0's result, which runs here.
 
     The ranks read the horse's checked spec as its user wrote it (unset fields stay unset). Once
     `preempted` is set (the horse's PREEMPT_SIGNAL handler), the signal is forwarded to every rank."""
     result_path = out_dir / f"result-attempt{attempt}.json"
     result_path.unlink(missing_ok=True)
-    spec_path = out_dir / f"spec-attempt{attempt}.json"
+    code = run_ranks(
+        settings, job_id, spec, out_dir, dataset_dir, cache_dir, attempt=attempt, worker_name=worker_name,
+        result_path=result_path, preempted=preempted, rendezvous=rendezvous, leader=True,
+    )  # fmt: skip
+    if not result_path.is_file():
+        raise PeagleError(
+            f"a training rank exited (torchrun status {code}) before rank 0 reported a result; "
+            "see the worker log",
+            code="rank_failed",
+        )
+    result = json.loads(result_path.read_text())
+    if "error" in result:
+        error = result["error"]
+        raise PeagleError(error["message"], code=error["code"], param=error.get("param"))
+    return PipelineResult.from_dict(result)
+
+
+def ranks_started(out_dir: Path, attempt: int) -> bool:
+    """Whether any rank of this attempt got past its start-up (with a rendezvous: the gang formed)."""
+    return any((out_dir / f"ranks-attempt{attempt}").glob("rank-*.pid"))
+
+
+def run_ranks(
+    settings: Settings,
+    job_id: str,
+    spec: JobSpec,
+    out_dir: Path,
+    dataset_dir: Path,
+    cache_dir: Path | None,
+    *,
+    attempt: int,
+    worker_name: str,
+    result_path: Path,
+    preempted: threading.Event | None = None,
+    rendezvous: Rendezvous | None = None,
+    leader: bool = True,
+    abort: threading.Event | None = None,
+    node: int = 0,
+) -> int:
+    """Run this machine's ranks under torchrun until they exit; returns torchrun's status.
+
+    Without `rendezvous` torchrun is standalone (one machine); with it, this machine is one node of the
+    gang (`leader`: it hosts the store and its ranks come first). `abort` set (the job is no longer this
+    attempt's): torchrun is stopped unless its ranks end within ABANDON_GRACE_S. `node` tells apart the files of machines sharing `out_dir`."""
+    suffix = f"-node{node}" if node else ""
+    spec_path = out_dir / f"spec-attempt{attempt}{suffix}.json"
     atomic_write_json(spec_path, spec.model_dump(mode="json", exclude_unset=True))
-    pid_dir = out_dir / f"ranks-attempt{attempt}"
+    pid_dir = out_dir / f"ranks-attempt{attempt}{suffix}"
     shutil.rmtree(pid_dir, ignore_errors=True)
     pid_dir.mkdir(parents=True)
     env = {
@@ -91,8 +146,12 @@ def train_distributed(
     if rank_device(spec.resources.gpus) == "cpu":
         # CPU ranks share the cores: one intra-op thread each avoids oversubscription.
         env.setdefault("OMP_NUM_THREADS", "1")
+    if rendezvous is None:
+        launch = ["--standalone"]
+    else:
+        launch = rendezvous.torchrun_args(is_host=leader, local_addr=settings.worker_address)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "torch.distributed.run", *launch,
         f"--nproc-per-node={spec.resources.gpus}",
         "-m", "worker.multigpu",
         "--job-id", job_id, "--spec", str(spec_path), "--out-dir", str(out_dir), "--dataset-dir", str(dataset_dir),
@@ -101,21 +160,25 @@ def train_distributed(
     ]  # fmt: skip
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
+    if rendezvous is not None and leader:
+        cmd += ["--leader"]
     proc = subprocess.Popen(cmd, env=env)
     signalled: set[int] = set()
     try:
         while proc.poll() is None:
-            if preempted is None:
-                proc.wait()
-            elif preempted.is_set():
+            if abort is not None and abort.is_set():
+                # The ranks see it too and stop on their own (a job that just finished ends this way).
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    return proc.wait(timeout=ABANDON_GRACE_S)
+                raise JobAbandoned
+            if preempted is not None and preempted.is_set():
                 # Again each round: a rank that announced itself since the last round is told too.
                 signalled |= forward_signal(pid_dir, PREEMPT_SIGNAL, skip=signalled)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=0.5)
-            else:
-                preempted.wait(0.5)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.5)
     except BaseException:
-        # The horse itself is going (a timeout, an interrupt): torchrun stops its ranks on SIGTERM.
+        # The horse itself is going (a timeout, an interrupt) or the job was taken from this attempt:
+        # torchrun stops its ranks on SIGTERM.
         proc.terminate()
         try:
             proc.wait(timeout=30)
@@ -123,17 +186,11 @@ def train_distributed(
             proc.kill()
             proc.wait()
         raise
-    if not result_path.is_file():
-        raise PeagleError(
-            f"a training rank exited (torchrun status {proc.returncode}) before rank 0 reported a result; "
-            "see the worker log",
-            code="rank_failed",
-        )
-    result = json.loads(result_path.read_text())
-    if "error" in result:
-        error = result["error"]
-        raise PeagleError(error["message"], code=error["code"], param=error.get("param"))
-    return PipelineResult.from_dict(result)
+    return proc.returncode
+
+
+class JobAbandoned(Exception):
+    """Raised by `run_ranks` once its `abort` event is set (after stopping torchrun)."""
 
 
 def forward_signal(pid_dir: Path, signum: int, *, skip: set[int]) -> set[int]:
@@ -173,6 +230,55 @@ def listen_for_preemption(preempted: threading.Event) -> None:
     threading.Thread(target=wait, name="preempt-signal", daemon=True).start()
 
 
+def leader_first_rank(rank: int, per_node: int, leader_node: int) -> tuple[int, int]:
+    """(rank, node) of torchrun's `rank` once the leader's machine and the first one swap places."""
+    node = rank // per_node
+    node = 0 if node == leader_node else leader_node if node == 0 else node
+    return node * per_node + rank % per_node, node
+
+
+def leader_first(is_leader: bool) -> None:
+    """Across machines, renumber the ranks so the leader machine's come first, then join the process group.
+
+    torchrun orders machines by its own key (address, pid), but rank 0 must run beside the job's leader:
+    it writes the result, the checkpoints the leader's mirror uploads and the export the leader publishes.
+    One exchange over a throwaway gloo group finds the leader's machine, which swaps places with the
+    first one; the real group then forms under a store prefix no earlier round can have used. No-op on
+    one machine."""
+    import uuid
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return
+    dist.init_process_group("gloo")
+    everyone: list[tuple[bool, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (is_leader, uuid.uuid4().hex))
+    dist.destroy_process_group()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    leaders = {r // per_node for r, entry in enumerate(everyone) if entry is not None and entry[0]}
+    if len(leaders) != 1:
+        raise PeagleError(f"the ranks found {len(leaders)} leader machines, not one", code="gang_incomplete")
+    (lead,) = leaders
+    rank, node = leader_first_rank(rank, per_node, lead)
+    os.environ["RANK"], os.environ["GROUP_RANK"] = str(rank), str(node)
+    assert everyone[0] is not None
+    store = dist.PrefixStore(
+        f"peagle/{everyone[0][1]}",
+        dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(minutes=10),
+        ),
+    )  # fmt: skip
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+
+
 def _announce(pid_dir: Path, rank: int) -> None:
     tmp = pid_dir / f".rank-{rank}.tmp"
     tmp.write_text(str(os.getpid()))
@@ -193,6 +299,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
         parser.add_argument(name, required=True)
     parser.add_argument("--cache-dir")
     parser.add_argument("--attempt", type=int, required=True)
+    parser.add_argument("--leader", action="store_true", help="this machine leads a multi-node job")
     args = parser.parse_args(argv)
     # Before the imports below start any thread (torch, the database pool); announced once the trainer can
     # act on it.
@@ -205,6 +312,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     from worker.monitor import JobMonitor
     from worker.progress import ProgressWriter
 
+    leader_first(args.leader)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     settings = get_settings()

@@ -38,6 +38,7 @@ from service.db.session import session_factory
 from service.paths import check_spec_paths
 from service.queue import redis_from_url
 from service.settings import Settings
+from worker.gang import GangLeader, NodeLost
 from worker.job_io import error_for, event_recorder, submitted_spec
 from worker.mirror import CheckpointMirror, restore
 from worker.monitor import JobMonitor
@@ -64,6 +65,7 @@ class JobRunner:
         self.stage = "claim"
         self.published_dir: Path | None = None  # the export `_publish` published (trackers upload it)
         self.attempt = 0  # set by the claim
+        self.prepared_key: str | None = None  # store key of the prepared data (members of a gang fetch it)
         self.cache: tuple[str, str, Path] | None = (
             None  # (project, key, path) of the job's hidden-state cache
         )
@@ -130,11 +132,14 @@ class JobRunner:
                 return "lost"
             if monitor.cancel_requested.is_set():
                 return self._finish_cancelled(result)
-            if result.status == "stopped" and monitor.preempted.is_set():
+            # A member machine's drain stops the whole gang: the job goes back to the queue as well.
+            if result.status == "stopped" and (monitor.preempted.is_set() or spec.resources.nodes_max > 1):
                 return self._requeue_preempted(result)
             if result.status == "stopped":
                 return self._finish_cancelled(result)
             return self._publish(job, result)
+        except NodeLost as exc:
+            return self._requeue_node_lost(job, exc)
         except Exception as exc:
             log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
             error = error_for(exc, stage=self.stage)
@@ -203,6 +208,24 @@ class JobRunner:
         )
         return "queued" if moved else "lost"
 
+    def _requeue_node_lost(self, job: Job, exc: NodeLost) -> str:
+        """A machine of the gang died: hand the job back (it resumes from its last checkpoint on whatever
+        machines join next), or fail it once its attempts are spent."""
+        if self.attempt >= job.max_attempts:
+            error = {"code": exc.code, "message": f"{exc.message}; attempts exhausted ({self.attempt})"}
+            moved = self._move(
+                "failed", expect=ACTIVE_STATUSES, event=error["message"], level="error", error=error
+            )
+            return "failed" if moved else "lost"
+        moved = self._move(
+            "queued",
+            expect=("running",),
+            event=f"requeued: {exc.message}",
+            event_data={"reason": exc.code, "attempt": self.attempt},
+            level="warning",
+        )
+        return "queued" if moved else "lost"
+
     def _finish_cancelled(self, result: PipelineResult) -> str:
         step = result.step
         message = (
@@ -243,7 +266,7 @@ class JobRunner:
         _check_verifier_path(spec)
         # The operator may have narrowed the roots (or trust_remote_code) since the API accepted the job.
         spec = check_spec_paths(spec, self.settings, prefix="", project_id=job.project_id)
-        if spec.resources.gpus > 1:
+        if spec.resources.gpus > 1 or spec.resources.nodes_max > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
         work_dir.mkdir(parents=True, exist_ok=True)
         source, source_sha = self._dataset_source(job, spec, work_dir)
@@ -283,7 +306,16 @@ class JobRunner:
             callbacks=callbacks,
             max_line_bytes=self.settings.max_line_bytes,
         )
-        train_stage = self._train_distributed(job, monitor.preempted) if spec.resources.gpus > 1 else None
+        if spec.resources.nodes_max > 1:
+            leader = GangLeader(
+                self.settings, self.sessions, self.job_id, self.attempt, self.worker_name,
+                preempted=monitor.preempted, prepared_key=lambda: self.prepared_key,
+            )  # fmt: skip
+            train_stage: TrainStage | None = leader.train
+        elif spec.resources.gpus > 1:
+            train_stage = self._train_distributed(job, monitor.preempted)
+        else:
+            train_stage = None
         return pipeline.run(before_train=before_train, train_stage=train_stage)
 
     def _train_distributed(self, job: Job, preempted: threading.Event) -> TrainStage:
@@ -328,6 +360,8 @@ class JobRunner:
     # -- storage ledger ----------------------------------------------------------------------------
 
     def _stored(self, project_id: str, kind: str, key: str, local: Path | None) -> None:
+        if kind == "prepared":
+            self.prepared_key = key
         if kind == "cache":  # charged again once training built (part of) it
             self.cache = (project_id, key, local) if local is not None else None
         self._charge(project_id, kind, key, local)

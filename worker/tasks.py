@@ -32,3 +32,11 @@ def run_plan(spec: dict, data: dict, recalibrate: bool = False) -> dict:
     from worker.planner import plan_for_api
 
     return plan_for_api(get_settings(), spec, data, recalibrate=recalibrate)
+
+
+def join_job(job_id: str, attempt: int, slot: int) -> str:
+    """Join `attempt` of a multi-node job as member `slot` (see worker.gang); returns how it ended."""
+    from service.settings import get_settings
+    from worker.gang import GangMember
+
+    return GangMember(get_settings(), job_id, attempt, slot, worker_identity()).run()

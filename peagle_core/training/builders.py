@@ -128,12 +128,13 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> t
 
 
 def global_batch_bins(spec: JobSpec) -> int:
-    """Packed rows per optimizer step, over all ranks: grad_accum x the world size the job asked for.
+    """Packed rows per optimizer step, over all ranks: grad_accum x the world size the job asked for
+    (`resources.gpus` x the most machines, `nominal_world_size`).
 
     Fixed by the spec, not by how many ranks run it, so the optimizer trajectory (and a checkpoint's data
     position) is the same at any world size.
     """
-    return spec.training.grad_accum * spec.resources.gpus
+    return spec.training.grad_accum * spec.resources.nominal_world_size
 
 
 def epoch_bins(train_indices: list[int], lengths: list[int], spec: JobSpec, epoch: int) -> list[list[int]]:

@@ -167,7 +167,36 @@ class Job(Base):
         Text, nullable=True, doc="Artifact key of the newest mirrored training checkpoint (the resume point)."
     )
     resume_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    gang: Mapped[dict[str, Any] | None] = mapped_column(
+        JSONType,
+        nullable=True,
+        doc="A multi-node attempt's rendezvous, recorded by its leader: attempt, endpoint, nnodes, and what "
+        "the other machines train with (spec, prepared data, cache, work directory).",
+    )
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+
+class JobNode(Base):
+    """A machine that joined one attempt of a multi-node job besides its leader (node 0)."""
+
+    __tablename__ = "job_nodes"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "slot", name="uq_job_nodes_job_attempt_slot"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    slot: Mapped[int] = mapped_column(
+        Integer, doc="Which of the leader's join requests (1..nodes-1) it took."
+    )
+    worker_name: Mapped[str] = mapped_column(String(200))
+    joined_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    left_at: Mapped[datetime | None] = mapped_column(
+        UTCDateTime(), nullable=True, doc="Set when its torchrun ended (a killed node never sets it)."
+    )
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class JobEvent(Base):
