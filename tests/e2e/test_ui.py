@@ -138,26 +138,36 @@ def client(up: Up) -> Iterator[PeagleClient]:
         yield c
 
 
-@contextlib.contextmanager
-def signed_in_tab(browser: Any, up: Up) -> Iterator[Any]:
-    """A fresh browser context signed in with the stack's key; no console errors on any of its pages."""
-    console = Console()
+@pytest.fixture(scope="module")
+def session(browser: Any, up: Up) -> Iterator[Any]:
+    """One browser context signed in with the stack's key: the module's pages share its cookie."""
     context = browser.new_context(accept_downloads=True, viewport={"width": 1400, "height": 1000})
+    first = context.new_page()
+    sign_in(first, up.url, up.key)
+    first.close()
+    yield context
+    context.close()
+
+
+@contextlib.contextmanager
+def tab(session: Any, url: str) -> Iterator[Any]:
+    """A new page of the signed-in session, opened on the jobs list; no console errors on it."""
+    console = Console()
+    page = console.watch(session.new_page())
+    page.set_default_timeout(30_000)
     try:
-        page = console.watch(context.new_page())
-        page.set_default_timeout(30_000)
-        sign_in(page, up.url, up.key)
+        page.goto(f"{url}/ui/")
         yield page
     finally:
-        context.close()
+        page.close()
     assert console.errors == []
 
 
 @pytest.fixture
-def page(browser: Any, up: Up) -> Iterator[Any]:
+def page(session: Any, up: Up) -> Iterator[Any]:
     SHOTS.mkdir(parents=True, exist_ok=True)
-    with signed_in_tab(browser, up) as tab:
-        yield tab
+    with tab(session, up.url) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
@@ -167,15 +177,15 @@ def dataset(client: PeagleClient, toy_dataset_path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def jobs(browser: Any, up: Up, dataset: dict[str, Any], toy_verifier_dir: Path) -> Jobs:
+def jobs(session: Any, up: Up, dataset: dict[str, Any], toy_verifier_dir: Path) -> Jobs:
     """Three jobs submitted from the editor, as a user would; the worker runs them while the tests watch."""
     specs = (
         job_yaml(toy_verifier_dir, dataset["id"], "ui-first", lr=0.002, max_steps=8),
         job_yaml(toy_verifier_dir, dataset["id"], "ui-second", lr=0.0005, max_steps=8, seed=1),
         job_yaml(toy_verifier_dir, dataset["id"], "ui-long", lr=0.001, max_steps=5000, epochs=300),
     )
-    with signed_in_tab(browser, up) as tab:
-        return Jobs(*(submit_from_editor(tab, up.url, spec) for spec in specs))
+    with tab(session, up.url) as editor:
+        return Jobs(*(submit_from_editor(editor, up.url, spec) for spec in specs))
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +332,7 @@ def test_job_page_downloads_match_the_checkpoint(
 
 
 def test_jobs_list_follows_a_running_job_live(page: Any, up: Up, jobs: Jobs) -> None:
-    # Signed in, the page is the jobs list: the long job's step moves on without a reload.
+    # The page opens on the jobs list: the long job's step moves on without a reload.
     row = f"#jobs tr[data-job-id='{jobs.long}']"
     page.wait_for_selector(f"{row}[data-status='running']:not([data-step='0'])", timeout=JOB_TIMEOUT_MS)
     seen = page.get_attribute(row, "data-step")
