@@ -18,6 +18,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,7 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from peagle_core.evaluation.acceptance import _summarise, evaluate_reference
-    from peagle_core.evaluation.speculate import speculative_decode_batch
+    from peagle_core.evaluation.acceptance import evaluate
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
 
@@ -104,27 +104,19 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
 
-    def cached(drafter_cache: bool) -> Any:
-        decoded = speculative_decode_batch(
-            drafter,
-            verifier,
-            prompts,
-            k,
-            args.max_new_tokens,
-            eos,
-            batch_size=args.batch_size,
-            drafter_cache=drafter_cache,
+    def evaluator(**how: Any) -> Callable[[], Any]:
+        return lambda: evaluate(
+            drafter, verifier, prompts, k, args.max_new_tokens, eos, batch_size=args.batch_size, **how
         )
-        return _summarise(k, decoded)
 
     runs = {
-        "reference": lambda: evaluate_reference(drafter, verifier, prompts, k, args.max_new_tokens, eos),
-        "cached": lambda: cached(True),
-        "uncached_drafter": lambda: cached(False),
+        "reference": evaluator(reference=True),
+        "cached": evaluator(),
+        "uncached_drafter": evaluator(drafter_cache=False),
     }
     results: dict[str, tuple[float, Any]] = {}
     # warm-up: one short prompt through the cached path (allocator, thread pool, lazy imports)
-    speculative_decode_batch(drafter, verifier, prompts[:1], k, 2, eos)
+    evaluate(drafter, verifier, prompts[:1], k, 2, eos)
     for name, run in runs.items():
         if name in skip:
             continue

@@ -24,7 +24,11 @@ from peagle_core.io import atomic_dir, atomic_write_bytes
 
 BUILD_VERSION = 1  # bump when the corpus, tokenizer or training recipe changes: invalidates caches
 
-# A fixed list so the corpus is the same on every machine with the same Python version.
+# The corpus is built from PINNED_DOCS, not from the running interpreter: docstrings change between Python
+# patch releases (3.11.2 and 3.11.7 differ in five), and with them the toy verifier, its datasets and every
+# figure measured on them. `stdlib_docs` is the recipe that wrote the file (`pin_docs` rewrites it).
+PINNED_DOCS = Path(__file__).with_name("toy_docs.json")
+# The modules the docstrings come from: a fixed list, so the recipe is the same on every machine.
 CORPUS_MODULES = (
     "abc", "argparse", "array", "base64", "binascii", "bisect", "bz2", "calendar", "cmath", "codecs",
     "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
@@ -142,14 +146,26 @@ def stdlib_docs() -> list[tuple[str, str]]:
     return sorted(docs.items())
 
 
+def pinned_docs() -> list[tuple[str, str]]:
+    """The corpus's (qualified name, docstring paragraph) pairs, as pinned (PINNED_DOCS)."""
+    return [(name, text) for name, text in json.loads(PINNED_DOCS.read_text())]
+
+
+def pin_docs(path: Path = PINNED_DOCS) -> None:
+    """Rewrite the pinned docstrings from this interpreter's stdlib (one pair a line, for reviewable diffs).
+    This changes the toy verifier: bump BUILD_VERSION with it."""
+    lines = ",\n".join(json.dumps(list(pair), ensure_ascii=False) for pair in stdlib_docs())
+    path.write_text(f"[\n{lines}\n]\n")
+
+
 def build_corpus(seed: int = 0) -> list[dict[str, Any]]:
-    """Deterministic chat conversations (messages format) from stdlib docstrings.
+    """Deterministic chat conversations (messages format) from the pinned stdlib docstrings.
 
     Every documented name gets a single-turn Q&A; names of the same module are also chained into
     two- and three-turn conversations, some with a system prompt.
     """
     rng = random.Random(seed)
-    docs = stdlib_docs()
+    docs = pinned_docs()
     convs: list[dict[str, Any]] = []
     for name, text in docs:
         q = rng.choice(QUESTIONS).format(name=name)

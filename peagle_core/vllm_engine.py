@@ -7,22 +7,14 @@ spec-decode counters are read before and after each batch, so every `VllmRun` co
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
-import multiprocessing as mp
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from peagle_core.errors import PeagleError
-
-# P-EAGLE parallel drafting needs vLLM's V1 model runner. The engine core runs inside our child rather
-# than in a further process of its own (start-up drops from ~20 s to ~5 s on a CPU).
-_CHILD_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# Defaults the caller's environment may override: a small CPU KV cache (GiB) and quiet logs.
-_CHILD_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
 
 _COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -116,8 +108,7 @@ class VllmEngine:
 
     def __init__(self, *, request_timeout_s: float = 1800.0):
         self.request_timeout_s = request_timeout_s
-        self._proc: Any = None
-        self._conn: Any = None
+        self._child: VllmChild | None = None
 
     def __enter__(self) -> VllmEngine:
         return self.start()
@@ -126,30 +117,19 @@ class VllmEngine:
         self.close()
 
     def start(self) -> VllmEngine:
-        if self._proc is not None:
+        if self._child is not None:
             return self
         if not vllm_available():
             raise VllmError("vLLM is not installed here (pip install 'peagle-service[vllm]')", phase="load")
-        ctx = mp.get_context("spawn")  # a forked child would inherit torch's threads and CUDA state
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child,), name="peagle-vllm", daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        self._child = VllmChild(
+            _child_main, (), "peagle-vllm", lambda msg, phase: VllmError(msg, phase=phase)
+        )
         return self
 
     def close(self) -> None:
-        proc, conn = self._proc, self._conn
-        self._proc = self._conn = None
-        if proc is None:
-            return
-        with contextlib.suppress(BrokenPipeError, OSError):
-            conn.send({"op": "exit"})
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        conn.close()
+        child, self._child = self._child, None
+        if child is not None:
+            child.close()
 
     def generate(
         self,
@@ -231,48 +211,23 @@ class VllmEngine:
         )
 
     def _request(self, message: dict[str, Any]) -> dict[str, Any]:
-        self.start()
+        child = self.start()._child
+        assert child is not None
         try:
-            self._conn.send(message)
-        except (BrokenPipeError, OSError):
-            return self._died("load")
-        deadline = time.monotonic() + self.request_timeout_s
-        while time.monotonic() < deadline:
-            if self._conn.poll(1.0):
-                try:
-                    return self._conn.recv()
-                except EOFError:
-                    return self._died("generate")
-            if not self._proc.is_alive():
-                return self._died("load")
-        self.close()
-        raise VllmError(f"vLLM did not answer within {self.request_timeout_s:.0f} s", phase="generate")
-
-    def _died(self, phase: str) -> dict[str, Any]:
-        proc = self._proc
-        self.close()
-        code = proc.exitcode if proc is not None else None
-        raise VllmError(f"the vLLM process exited unexpectedly (exit code {code}); see its log", phase=phase)
+            return child.request(message, self.request_timeout_s)
+        except VllmError:
+            self._child = None  # that child is gone; the next request starts another
+            raise
 
 
 # ---------------------------------------------------------------------------------------- the child
 
 
 def _child_main(conn: Any) -> None:
-    for key, value in _CHILD_ENV.items():
-        os.environ[key] = value
-    for key, value in _CHILD_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    enter_child()
     state: dict[str, Any] = {"config": None, "llm": None}
     try:
-        while True:
-            try:
-                message = conn.recv()
-            except EOFError:
-                return
-            if message["op"] == "exit":
-                return
-            conn.send(_serve_generate(state, message))
+        serve(conn, lambda message: _serve_generate(state, message))
     finally:
         _drop_engine(state)
 
@@ -284,7 +239,7 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
         try:
             state["llm"] = _build_engine(config)
         except Exception as exc:  # vLLM's own refusal, reported to the caller verbatim
-            return {"error": _describe(exc), "phase": "load"}
+            return {"error": describe(exc), "phase": "load"}
         state["config"] = config
     llm = state["llm"]
     try:
@@ -304,7 +259,7 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
         after = _counters(llm)
     except Exception as exc:
         _drop_engine(state)
-        return {"error": _describe(exc), "phase": "generate"}
+        return {"error": describe(exc), "phase": "generate"}
     moved = {name: after[name] - before.get(name, 0) for name in _COUNTERS.values()}
     per_pos = [a - b for a, b in zip(after[_PER_POSITION], before.get(_PER_POSITION) or [], strict=False)]
     per_pos += after[_PER_POSITION][len(per_pos) :]
@@ -320,8 +275,6 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
 
 
 def _build_engine(config: EngineConfig) -> Any:
-    from vllm import LLM
-
     kwargs: dict[str, Any] = {}
     if config.drafter is not None:
         kwargs["speculative_config"] = {
@@ -330,18 +283,10 @@ def _build_engine(config: EngineConfig) -> Any:
             "num_speculative_tokens": config.k,
             "parallel_drafting": True,
         }
-    if config.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    return LLM(
-        model=config.verifier,
-        revision=config.revision,
-        dtype=config.dtype,
-        enforce_eager=config.enforce_eager,
-        max_model_len=config.max_model_len,
-        trust_remote_code=config.trust_remote_code,
+    return new_llm(
+        config,
         disable_log_stats=False,  # the spec-decode counters live in the stats
         distributed_executor_backend="uni",
-        seed=0,
         **kwargs,
     )
 
@@ -370,14 +315,3 @@ def _counters(llm: Any) -> dict[str, Any]:
         elif metric.name == _PER_POSITION:
             out[_PER_POSITION] = [int(v) for v in metric.values]
     return out
-
-
-def _describe(exc: BaseException) -> str:
-    """vLLM's own message; the root cause's too when vLLM wrapped it in a generic one."""
-    text = f"{type(exc).__name__}: {exc}"
-    root = exc
-    while root.__cause__ is not None or root.__context__ is not None:
-        root = root.__cause__ or root.__context__
-    if root is not exc:
-        text += f" (caused by {type(root).__name__}: {root})"
-    return text

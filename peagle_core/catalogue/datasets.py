@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from peagle_core.catalogue import CatalogueError, datasets_dir, lookup
-from peagle_core.catalogue.pins import DATASETS, DatasetEntry
+from peagle_core.catalogue.pins import DATASETS, DatasetEntry, source_provenance
 from peagle_core.catalogue.wheels import open_member
 from peagle_core.data.formats import SHAREGPT_ROLES, parse_row
 from peagle_core.errors import DataError
@@ -136,12 +136,7 @@ def get_dataset(
     base = {
         "catalogue_data_version": CATALOGUE_DATA_VERSION,
         "dataset": entry.name,
-        "package": entry.wheel.package,
-        "version": entry.wheel.version,
-        "wheel_sha256": entry.wheel.sha256,
-        "member": entry.member,
-        "upstream": entry.upstream,
-        "licence": entry.licence,
+        **source_provenance(entry),
         "package_licence": entry.wheel.licence,
         "options": options,
         "format": "messages",

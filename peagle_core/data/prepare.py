@@ -92,6 +92,46 @@ def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote
     return tokenizer, config.get_text_config(), (local if local.is_dir() else None)
 
 
+def _tokenize_rows(
+    tokenizer: Any,
+    data_path: Path,
+    fmt: str,
+    max_line_bytes: int,
+    seq_len: int,
+    vocab_size: int,
+    max_samples: int | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], str | None]:
+    """Each row's token ids and loss mask, truncated to `seq_len`, and the rows' format; DataError naming
+    the line of a row out of the verifier's vocabulary or with nothing left to train on."""
+    source_format = None
+    all_ids: list[torch.Tensor] = []
+    all_masks: list[torch.Tensor] = []
+    for row_format, row in iter_rows(data_path, fmt, max_line_bytes):
+        if max_samples is not None and len(all_ids) >= max_samples:
+            break
+        source_format = row_format
+        if row.messages is not None:
+            ids, mask = tokenize_conversation(tokenizer, row.messages, line=row.line)
+        else:
+            ids, mask = row.input_ids, row.loss_mask
+            too_big = [t for t in ids if t >= vocab_size]
+            if too_big:
+                raise DataError(
+                    f"line {row.line}: token id {too_big[0]} is outside the verifier's vocabulary ({vocab_size})",
+                    param=f"line {row.line}",
+                )
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        if not any(mask[_UNTRAINABLE_PREFIX:]):
+            raise DataError(
+                f"line {row.line}: no assistant token left to train on within seq_len={seq_len} "
+                f"({len(ids)} tokens kept); raise seq_len or shorten the prompt",
+                param=f"line {row.line}",
+            )
+        all_ids.append(torch.tensor(ids, dtype=torch.int32))
+        all_masks.append(torch.tensor(mask, dtype=torch.uint8))
+    return all_ids, all_masks, source_format
+
+
 def prepare_dataset(
     verifier_path: str | Path,
     data_path: str | Path,
@@ -122,32 +162,9 @@ def prepare_dataset(
         str(verifier_path), revision, trust_remote_code
     )
     vocab_size = int(config.vocab_size)
-    source_format = None
-    all_ids: list[torch.Tensor] = []
-    all_masks: list[torch.Tensor] = []
-    for row_format, row in iter_rows(data_path, fmt, max_line_bytes):
-        if max_samples is not None and len(all_ids) >= max_samples:
-            break
-        source_format = row_format
-        if row.messages is not None:
-            ids, mask = tokenize_conversation(tokenizer, row.messages, line=row.line)
-        else:
-            ids, mask = row.input_ids, row.loss_mask
-            too_big = [t for t in ids if t >= vocab_size]
-            if too_big:
-                raise DataError(
-                    f"line {row.line}: token id {too_big[0]} is outside the verifier's vocabulary ({vocab_size})",
-                    param=f"line {row.line}",
-                )
-        ids, mask = ids[:seq_len], mask[:seq_len]
-        if not any(mask[_UNTRAINABLE_PREFIX:]):
-            raise DataError(
-                f"line {row.line}: no assistant token left to train on within seq_len={seq_len} "
-                f"({len(ids)} tokens kept); raise seq_len or shorten the prompt",
-                param=f"line {row.line}",
-            )
-        all_ids.append(torch.tensor(ids, dtype=torch.int32))
-        all_masks.append(torch.tensor(mask, dtype=torch.uint8))
+    all_ids, all_masks, source_format = _tokenize_rows(
+        tokenizer, data_path, fmt, max_line_bytes, seq_len, vocab_size, max_samples
+    )
     if not all_ids:
         raise DataError(f"{data_path}: the dataset has no rows", param="data")
 

@@ -3,8 +3,8 @@
 Each step the drafter proposes K tokens in one parallel pass, the verifier scores them in one pass, and the
 longest prefix agreeing with the verifier's greedy choice is kept plus the verifier's bonus token, so the
 output is exactly the verifier's own greedy decoding (speculation is lossless). `evaluate` runs the batched,
-KV-cached engine (peagle_core.evaluation.speculate); `speculative_decode` and `evaluate_reference` are the plain,
-one-prompt, full-recompute definition it is tested and benchmarked against.
+KV-cached engine (peagle_core.evaluation.speculate); `speculative_decode` (`evaluate(reference=True)`) is the
+plain, one-prompt, full-recompute definition it is tested and benchmarked against.
 """
 
 from __future__ import annotations
@@ -129,38 +129,31 @@ def evaluate(
     k: int,
     max_new_tokens: int,
     eos_token_id: int | None = None,
+    *,
     batch_size: int = 16,
+    drafter_cache: bool = True,
+    reference: bool = False,
 ) -> EvalResult:
     """Speculatively decode every prompt with K drafted tokens per step and summarise acceptance.
 
-    Batched and KV-cached (`peagle_core.evaluation.speculate`); the same tokens and acceptance as
-    `evaluate_reference`, which recomputes every sequence in full at every step.
+    Batched and KV-cached (`peagle_core.evaluation.speculate`; `drafter_cache` False recomputes the
+    drafter over each whole sequence). `reference` decodes one prompt at a time recomputing everything
+    (`speculative_decode`), the definition the cached evaluator is tested and benchmarked against: the
+    same tokens and acceptance either way.
     """
     from peagle_core.evaluation.speculate import speculative_decode_batch
 
     if k < 1:
         raise ValueError("k must be >= 1")
     with _eval_mode(drafter):
-        decoded = speculative_decode_batch(
-            drafter, verifier, prompts, k, max_new_tokens, eos_token_id, batch_size=batch_size
-        )
-    return _summarise(k, decoded)
-
-
-def evaluate_reference(
-    drafter: PEagleDraftModel,
-    verifier: Verifier,
-    prompts: Sequence[torch.Tensor],
-    k: int,
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-) -> EvalResult:
-    """`evaluate` one prompt at a time with full recomputation (`speculative_decode`): the reference the
-    cached evaluator is tested and benchmarked against."""
-    if k < 1:
-        raise ValueError("k must be >= 1")
-    with _eval_mode(drafter):
-        decoded = [speculative_decode(drafter, verifier, p, k, max_new_tokens, eos_token_id) for p in prompts]
+        if reference:
+            decoded = [
+                speculative_decode(drafter, verifier, p, k, max_new_tokens, eos_token_id) for p in prompts
+            ]
+        else:
+            decoded = speculative_decode_batch(
+                drafter, verifier, prompts, k, max_new_tokens, eos_token_id, batch_size, drafter_cache
+            )
     return _summarise(k, decoded)
 
 

@@ -62,8 +62,7 @@ def _decode_batch(
     from transformers import DynamicCache
 
     vdev = verifier.device
-    param = next(drafter.parameters())
-    ddev, ddtype = param.device, param.dtype
+    ddev = next(drafter.parameters()).device
 
     # Prefill: the prompts, left-padded, give the cache, the first token and the prompts' aux states.
     ids, mask = _left_pad([torch.tensor(r.ids, dtype=torch.long) for r in rows])
@@ -98,27 +97,7 @@ def _decode_batch(
                 dcache.select(sel.to(ddev))
             active = [active[b] for b in live]
 
-        # Draft: the aligned layout, hidden state of token t beside the id of token t+1.
-        if dcache is None:
-            hidden, real = _left_pad([torch.cat(r.aux) for r in active])
-            draft_ids, _ = _left_pad([torch.tensor(r.ids[1:], dtype=torch.long) for r in active])
-            drafts = drafter.draft(
-                hidden.to(device=ddev, dtype=ddtype), draft_ids.to(ddev), real.to(ddev), k=k
-            )
-        else:  # only the rows accepted since the last step
-            new_aux = [torch.cat(r.aux[r.fed :]) for r in active]
-            hidden, real = _left_pad(new_aux)
-            fresh = [
-                torch.tensor(r.ids[len(r.ids) - len(a) :], dtype=torch.long)
-                for r, a in zip(active, new_aux, strict=True)
-            ]
-            draft_ids, _ = _left_pad(fresh)
-            drafts = draft_step(
-                drafter, dcache, hidden.to(device=ddev, dtype=ddtype), draft_ids.to(ddev), real.to(ddev), k
-            )
-            for r in active:
-                r.fed = len(r.aux)
-        drafts = drafts.to(vdev)
+        drafts = _draft(drafter, dcache, active, k).to(vdev)
 
         # Verify [bonus, drafts] after each row's cached prefix.
         bonus = torch.tensor([r.ids[-1] for r in active], dtype=torch.long, device=vdev)
@@ -130,25 +109,65 @@ def _decode_batch(
         # accepted drafts: the length of the agreeing prefix
         n_ok = (drafts == greedy[:, :k]).long().cumprod(-1).sum(-1)
 
-        n_ok_list, greedy_list, drafts_list = n_ok.tolist(), greedy.tolist(), drafts.tolist()
-        longest = max(n_ok_list)
+        longest = int(n_ok.max())
         # Keep the KV of the bonus and accepted drafts: crop what no row accepted, mask the rest per row.
         cache.crop(-(k - longest))
         kept = torch.arange(longest + 1, device=vdev)[None, :] <= n_ok[:, None]
         mask = torch.cat([mask, kept.long()], dim=1)
         pos = pos + n_ok + 1
-        for b, r in enumerate(active):
-            n = n_ok_list[b]
-            r.accepted.append(n)
-            r.aux.append(aux[b, : n + 1])
-            new = [*drafts_list[b][:n], greedy_list[b][n]]
-            if eos_token_id is not None and eos_token_id in new:
-                new = new[: new.index(eos_token_id) + 1]
-            new = new[: max_new_tokens - len(r.out)]
-            r.out += new
-            r.ids += new
+        _accept(active, drafts, greedy, n_ok, aux, max_new_tokens, eos_token_id)
 
         live = [b for b, r in enumerate(active) if not _done(r, max_new_tokens, eos_token_id)]
+
+
+def _draft(drafter: PEagleDraftModel, dcache: DraftCache | None, rows: list[_Row], k: int) -> torch.Tensor:
+    """K drafts per row [B, k], from the aligned layout: hidden state of token t beside the id of token t+1.
+
+    Without a drafter cache, from each row's whole sequence; with one, from the rows accepted since the
+    last step only."""
+    param = next(drafter.parameters())
+    ddev, ddtype = param.device, param.dtype
+    if dcache is None:
+        hidden, real = _left_pad([torch.cat(r.aux) for r in rows])
+        draft_ids, _ = _left_pad([torch.tensor(r.ids[1:], dtype=torch.long) for r in rows])
+        return drafter.draft(hidden.to(device=ddev, dtype=ddtype), draft_ids.to(ddev), real.to(ddev), k=k)
+    new_aux = [torch.cat(r.aux[r.fed :]) for r in rows]
+    hidden, real = _left_pad(new_aux)
+    fresh = [
+        torch.tensor(r.ids[len(r.ids) - len(a) :], dtype=torch.long)
+        for r, a in zip(rows, new_aux, strict=True)
+    ]
+    draft_ids, _ = _left_pad(fresh)
+    drafts = draft_step(
+        drafter, dcache, hidden.to(device=ddev, dtype=ddtype), draft_ids.to(ddev), real.to(ddev), k
+    )
+    for r in rows:
+        r.fed = len(r.aux)
+    return drafts
+
+
+def _accept(
+    rows: list[_Row],
+    drafts: torch.Tensor,
+    greedy: torch.Tensor,
+    n_ok: torch.Tensor,
+    aux: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> None:
+    """Append each row's step: its accepted drafts and the verifier's next token (cut after EOS and at
+    `max_new_tokens`), and the aux states of the tokens the verifier has now seen."""
+    n_ok_list, greedy_list, drafts_list = n_ok.tolist(), greedy.tolist(), drafts.tolist()
+    for b, r in enumerate(rows):
+        n = n_ok_list[b]
+        r.accepted.append(n)
+        r.aux.append(aux[b, : n + 1])
+        new = [*drafts_list[b][:n], greedy_list[b][n]]
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]
+        new = new[: max_new_tokens - len(r.out)]
+        r.out += new
+        r.ids += new
 
 
 def _drop_leading(cache: object, n: int) -> None:

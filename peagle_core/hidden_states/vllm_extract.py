@@ -10,8 +10,6 @@ from the shards already in the manifest. Data parallelism is one child per repli
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -22,14 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.errors import PeagleError
+from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
 
 ENGINES = ("transformers", "vllm")
 CONNECTOR = "PeagleHiddenStatesConnector"
 CONNECTOR_MODULE = "peagle_core.hidden_states.vllm_connector"
-# The engine core runs inside the child (no further process): faster start-up, and the child can step
-# the engine itself until the connector has written a group's shard.
-_CHILD_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-_CHILD_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 # Steps after `generate` returns: the connector stores a request one step after it finishes.
 _MAX_DRAIN_STEPS = 64
 
@@ -155,123 +150,68 @@ def _devices(rank: int, tp: int, dp: int) -> str | None:
     return ",".join(ids[rank * tp : (rank + 1) * tp])
 
 
-class _Child:
-    """One spawned vLLM process and its pipe."""
+class _Child(VllmChild):
+    """One spawned vLLM process hosting a hidden-state engine."""
 
     def __init__(self, config: VllmHiddenStatesConfig, devices: str | None):
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_child_main, args=(child, asdict(config), devices), name="peagle-vllm-hs", daemon=True
+        super().__init__(
+            _child_main,
+            (asdict(config), devices),
+            "peagle-vllm-hs",
+            lambda msg, _: HiddenStatesEngineError(msg),
         )
-        self.proc.start()
-        child.close()
-        self.conn = parent
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.conn.poll(1.0):
-                try:
-                    reply = self.conn.recv()
-                except (EOFError, OSError):  # the child's end closed: it died
-                    self._died()
-                if "error" in reply:
-                    raise HiddenStatesEngineError(reply["error"])
-                return reply
-            if not self.proc.is_alive():
-                self._died()
-        self.close()
-        raise HiddenStatesEngineError(f"vLLM did not answer within {timeout_s:.0f} s")
+        reply = super().wait(timeout_s)
+        if "error" in reply:
+            raise HiddenStatesEngineError(reply["error"])
+        return reply
 
-    def fill(self, cache: str, gid: int, items: Sequence[tuple[int, Sequence[int]]], timeout_s: float):
-        message = {
-            "op": "fill",
-            "cache": cache,
-            "group": gid,
-            "items": [(int(i), list(map(int, t))) for i, t in items],
-        }
-        try:
-            self.conn.send(message)
-        except (BrokenPipeError, OSError):
-            self._died()
-        return self.wait(timeout_s)
-
-    def _died(self) -> None:
-        self.proc.join(timeout=5)
-        code = self.proc.exitcode
-        self.close()
-        raise HiddenStatesEngineError(f"the vLLM process exited unexpectedly (exit code {code})")
-
-    def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):
-            self.conn.send({"op": "exit"})
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        self.conn.close()
+    def fill(
+        self, cache: str, gid: int, items: Sequence[tuple[int, Sequence[int]]], timeout_s: float
+    ) -> dict[str, Any]:
+        payload = [(int(i), list(map(int, t))) for i, t in items]
+        return self.request({"op": "fill", "cache": cache, "group": gid, "items": payload}, timeout_s)
 
 
 # ---------------------------------------------------------------------------------------- the child
 
 
 def _child_main(conn: Any, config: dict[str, Any], devices: str | None) -> None:
-    for key, value in _CHILD_ENV.items():
-        os.environ[key] = value
-    for key, value in _CHILD_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
-    from peagle_core.vllm_engine import _describe
-
+    enter_child(devices)
     try:
         llm, info = _build_engine(
             VllmHiddenStatesConfig(**{**config, "layer_ids": tuple(config["layer_ids"])})
         )
     except Exception as exc:  # vLLM's refusal, reported verbatim
-        conn.send({"error": f"vLLM could not start on {config['verifier']}: {_describe(exc)}"})
+        conn.send({"error": f"vLLM could not start on {config['verifier']}: {describe(exc)}"})
         return
     conn.send(info)
     caches: dict[str, Any] = {}
-    while True:
+
+    def answer(message: dict[str, Any]) -> dict[str, Any]:
         try:
-            message = conn.recv()
-        except EOFError:
-            return
-        if message["op"] == "exit":
-            return
-        try:
-            conn.send(_fill(llm, caches, message))
+            return _fill(llm, caches, message)
         except Exception as exc:
-            conn.send({"error": f"vLLM failed computing hidden states: {_describe(exc)}"})
-            return
+            return {"error": f"vLLM failed computing hidden states: {describe(exc)}"}
+
+    serve(conn, answer, stop_on_error=True)
 
 
 def _build_engine(config: VllmHiddenStatesConfig) -> tuple[Any, dict[str, Any]]:
     from transformers import AutoConfig
-    from vllm import LLM
 
     hf = AutoConfig.from_pretrained(
         config.verifier, revision=config.revision, trust_remote_code=config.trust_remote_code
     ).get_text_config()
     num_layers = int(hf.num_hidden_layers)
     layer_ids = [*config.layer_ids, num_layers]  # the last decoder layer's output, before the final norm
-    kwargs: dict[str, Any] = {}
-    if config.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    llm = LLM(
-        model=config.verifier,
-        revision=config.revision,
-        dtype=config.dtype,
-        enforce_eager=config.enforce_eager,
-        max_model_len=config.max_model_len,
-        trust_remote_code=config.trust_remote_code,
+    llm = new_llm(
+        config,
         tensor_parallel_size=config.tensor_parallel_size,
         distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
         # Each sample's states are computed from its own tokens: reused prefix blocks would skip them.
         enable_prefix_caching=False,
-        seed=0,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -282,7 +222,6 @@ def _build_engine(config: VllmHiddenStatesConfig) -> tuple[Any, dict[str, Any]]:
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
         },
-        **kwargs,
     )
     # Some refusals (CPU attention's head sizes) only come with the first forward pass: make one now, so
     # that a verifier vLLM cannot run fails the start rather than the first group.

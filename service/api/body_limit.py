@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from service.api.errors import error_response
+from service.api.errors import ApiError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -49,13 +49,13 @@ class BodyLimitMiddleware:
         await self.app(scope, _replay([body], receive), send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(
+        response = ApiError(
             413,
             f"the request body exceeds the limit of {self.max_bytes} bytes (PEAGLE_MAX_SPEC_BYTES)",
             code="payload_too_large",
             param="body",
             headers={"Connection": "close"},
-        )
+        ).response()
         await response(scope, receive, send)
 
 

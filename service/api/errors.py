@@ -65,6 +65,7 @@ class ApiError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        type_: str | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -72,6 +73,12 @@ class ApiError(Exception):
         self.code = code or _CODES.get(status, "error")
         self.param = param
         self.headers = headers
+        self.type_ = type_
+
+    def response(self) -> JSONResponse:
+        """The error as the API answers it (middleware that runs outside the handlers sends it itself)."""
+        body = envelope(self.status, self.message, code=self.code, param=self.param, type_=self.type_)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def not_found(kind: str, ident: str) -> ApiError:
@@ -93,20 +100,6 @@ def envelope(
     }
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-    type_: str | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        envelope(status, message, code=code, param=param, type_=type_), status_code=status, headers=headers
-    )
-
-
 def _loc_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     # ("body", "spec", "training", "lr") -> "spec.training.lr"; ("query", "limit") -> "limit".
     parts = [str(p) for p in loc]
@@ -117,14 +110,14 @@ def _loc_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
 
 
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return error_response(exc.status, exc.message, code=exc.code, param=exc.param, headers=exc.headers)
+    return exc.response()
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else "request failed"
     if exc.status_code == 404 and message == "Not Found":
         message = "no such route"
-    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+    return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -135,11 +128,13 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         details.append(f"{param}: {msg}" if param else msg)
     first = _loc_param(errors[0].get("loc", ())) if errors else None
-    return error_response(422, "; ".join(details) or "invalid request", code="invalid_request", param=first)
+    return ApiError(
+        422, "; ".join(details) or "invalid request", code="invalid_request", param=first
+    ).response()
 
 
 async def _peagle_error(_: Request, exc: PeagleError) -> JSONResponse:
-    return error_response(422, exc.message, code=exc.code, param=exc.param)
+    return ApiError(422, exc.message, code=exc.code, param=exc.param).response()
 
 
 DB_RETRY_AFTER_S = 5
@@ -154,22 +149,22 @@ async def _db_error(request: Request, exc: Exception) -> JSONResponse:
         return await _unhandled(request, exc)
     log.warning("database unavailable: %s", exc.__class__.__name__)
     # Retry-After: clients (the SDK, load balancers) back off instead of hammering a recovering database.
-    return error_response(
+    return ApiError(
         503,
         "the database is unavailable; retry later",
         code="database_unavailable",
         headers={"Retry-After": str(DB_RETRY_AFTER_S)},
-    )
+    ).response()
 
 
 async def _redis_down(_: Request, exc: Exception) -> JSONResponse:
     log.warning("redis unavailable: %s", exc.__class__.__name__)
-    return error_response(503, "the job queue is unavailable; retry later", code="queue_unavailable")
+    return ApiError(503, "the job queue is unavailable; retry later", code="queue_unavailable").response()
 
 
 async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
-    return error_response(500, "internal server error", code="internal_error", type_="api_error")
+    return ApiError(500, "internal server error", code="internal_error", type_="api_error").response()
 
 
 def install(app: FastAPI) -> None:

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from service.api.errors import error_response
+from service.api.errors import ApiError
 
 Scope = dict[str, Any]
 _WRITES = frozenset({b"POST", b"PUT", b"PATCH", b"DELETE"})
@@ -47,13 +47,13 @@ class FairShareMiddleware:
             return
         caller = _caller(scope, self.cookie_name)
         if self._inflight[caller] >= self.limit:
-            response = error_response(
+            response = ApiError(
                 429,
                 f"this caller has {self._inflight[caller]} write requests in flight "
                 f"(limit PEAGLE_MAX_WRITES_IN_FLIGHT_PER_CALLER: {self.limit}); retry when one answers",
                 code="too_many_in_flight",
                 headers={"Retry-After": "1"},
-            )
+            ).response()
             await response(scope, receive, send)
             return
         self._inflight[caller] += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from peagle_core.cli import build_app
@@ -98,3 +99,17 @@ def test_toy_cli_writes_dataset(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 10 and all("messages" in r for r in rows)
     assert out.read_bytes() == write_toy_dataset(tmp_path / "again.jsonl", n=10).read_bytes()
+
+
+def test_corpus_is_pinned_not_read_from_the_interpreter(monkeypatch, tmp_path: Path) -> None:
+    """Docstrings differ between Python patch releases; the corpus (and the toy verifier) must not."""
+    import peagle_core.toy as toy
+
+    corpus = build_corpus(0)
+    monkeypatch.setattr(
+        toy, "stdlib_docs", lambda: pytest.fail("the corpus read this interpreter's docstrings")
+    )
+    assert build_corpus(0) == corpus
+    monkeypatch.undo()
+    toy.pin_docs(tmp_path / "docs.json")  # the recipe still writes the pinned file's format
+    assert [tuple(p) for p in json.loads((tmp_path / "docs.json").read_text())] == toy.stdlib_docs()

@@ -1,24 +1,28 @@
-"""The dashboard in a real headless Chromium (Debian's, driven by Playwright) against one `peagle up` stack:
-sign in, upload a dataset, submit jobs from the editor (one refused inline first), watch one succeed with
-charts holding every metric row the API returns, compare two, download and check the checkpoint, cancel
-a running job from its page, and see another project's ids answer 404. No console errors anywhere.
+"""The dashboard in a real headless Chromium (Debian's, driven by Playwright) against one `peagle up` stack,
+one test per page: sign in, upload a dataset, the editor refusing a spec inline, a job page watching a job
+succeed with charts holding every metric row the API returns and its checkpoint downloads, the jobs list
+live and filtered, cancelling from a job page, compare, and another project's ids answering 404. No console
+errors on any page. The stack and its three jobs (submitted from the editor) are module fixtures, so the
+tests share one set of training runs.
 
 Screenshots of the jobs list, a job page and the compare view land in `test-output/ui/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from client import PeagleClient
+from client.sdk import TERMINAL_STATUSES
 from tests.cli.test_up import Up
 from tests.fixtures.archives import extract_archive
 
@@ -90,6 +94,15 @@ class Console:
         return page
 
 
+class Jobs(NamedTuple):
+    """The module's three jobs, queued in this order on the one worker: two to compare, one long one to
+    cancel."""
+
+    first: str
+    second: str
+    long: str
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path) -> Iterator[Up]:
     """One `peagle up` (SQLite, embedded Redis, one worker) for every browser test in this module."""
@@ -104,6 +117,9 @@ def up(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path) -> Iter
     stack = Up(tmp / "data", env)
     try:
         yield stack
+        # Nothing the tests did made the server fail (SSE disconnects, downloads, forms).
+        log = (stack.data_dir / "logs" / "api.log").read_text()
+        assert "Traceback" not in log, log[log.index("Traceback") :][:4000]
     finally:
         stack.kill()
 
@@ -114,6 +130,71 @@ def browser() -> Iterator[Any]:
         b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         yield b
         b.close()
+
+
+@pytest.fixture(scope="module")
+def client(up: Up) -> Iterator[PeagleClient]:
+    with PeagleClient(up.url, up.key) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def session(browser: Any, up: Up) -> Iterator[Any]:
+    """One browser context signed in with the stack's key: the module's pages share its cookie."""
+    context = browser.new_context(accept_downloads=True, viewport={"width": 1400, "height": 1000})
+    first = context.new_page()
+    sign_in(first, up.url, up.key)
+    first.close()
+    yield context
+    context.close()
+
+
+@contextlib.contextmanager
+def tab(session: Any, url: str) -> Iterator[Any]:
+    """A new page of the signed-in session, opened on the jobs list; no console errors on it."""
+    console = Console()
+    page = console.watch(session.new_page())
+    page.set_default_timeout(30_000)
+    try:
+        page.goto(f"{url}/ui/")
+        yield page
+    finally:
+        page.close()
+    assert console.errors == []
+
+
+@pytest.fixture
+def page(session: Any, up: Up) -> Iterator[Any]:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with tab(session, up.url) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def dataset(client: PeagleClient, toy_dataset_path: Path) -> dict[str, Any]:
+    """The toy dataset the jobs train on (uploaded through the API; the upload form has its own test)."""
+    return client.upload_dataset(toy_dataset_path)
+
+
+@pytest.fixture(scope="module")
+def jobs(session: Any, up: Up, dataset: dict[str, Any], toy_verifier_dir: Path) -> Jobs:
+    """Three jobs submitted from the editor, as a user would; the worker runs them while the tests watch."""
+    specs = (
+        job_yaml(toy_verifier_dir, dataset["id"], "ui-first", lr=0.002, max_steps=8),
+        job_yaml(toy_verifier_dir, dataset["id"], "ui-second", lr=0.0005, max_steps=8, seed=1),
+        job_yaml(toy_verifier_dir, dataset["id"], "ui-long", lr=0.001, max_steps=5000, epochs=300),
+    )
+    with tab(session, up.url) as editor:
+        return Jobs(*(submit_from_editor(editor, up.url, spec) for spec in specs))
+
+
+@pytest.fixture(scope="module")
+def first_checkpoint(client: PeagleClient, jobs: Jobs) -> dict[str, Any]:
+    """The first job's published checkpoint, once it has succeeded."""
+    job = client.wait(jobs.first, timeout_s=JOB_TIMEOUT_MS / 1000)
+    assert job["status"] == "succeeded", job["error"]
+    (ckpt,) = client.list_checkpoints(jobs.first)["data"]
+    return ckpt
 
 
 def sign_in(page: Any, url: str, key: str) -> None:
@@ -141,18 +222,13 @@ def api_rows(client: PeagleClient, job_id: str, key: str) -> int:
     return sum(1 for r in client.job_metrics(job_id) if r["values"].get(key) is not None)
 
 
-def test_dashboard_end_to_end(
-    up: Up, browser: Any, toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path
-) -> None:
+def test_sign_in_refuses_a_wrong_key_and_opens_the_jobs_list(up: Up, browser: Any) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     console = Console()
-    context = browser.new_context(accept_downloads=True, viewport={"width": 1400, "height": 1000})
+    context = browser.new_context()
     page = console.watch(context.new_page())
-    page.set_default_timeout(30_000)
-    client = PeagleClient(up.url, up.key)
-
-    # Sign in: a wrong key is refused on the form, the right one opens the jobs list.
     page.goto(f"{up.url}/")
+    assert "/ui/login" in page.url
     page.get_by_label("API key").fill("peagle_sk_not-a-key")
     page.get_by_role("button", name="Sign in").click()
     assert "unknown or revoked" in page.get_by_role("alert").inner_text()
@@ -161,22 +237,32 @@ def test_dashboard_end_to_end(
     page.get_by_role("button", name="Sign in").click()
     page.wait_for_url(f"{up.url}/ui/")
     assert page.get_by_role("heading", name="Jobs").is_visible()
+    context.close()
+    assert console.errors == []
 
-    # Upload a dataset: the progress bar fills and the list shows it.
+
+def test_datasets_page_uploads_with_progress(
+    page: Any, up: Up, client: PeagleClient, toy_dataset_path: Path
+) -> None:
+    before = {d["id"] for d in client.list_datasets()["data"]}
     page.get_by_role("link", name="Datasets").click()
     page.get_by_label("Chat data", exact=False).set_input_files(str(toy_dataset_path))
     page.get_by_role("button", name="Upload").click()
     page.wait_for_selector("#upload-result:has-text('Uploaded')")
     assert page.eval_on_selector("#upload-progress", "p => p.value") == 100
-    (dataset,) = client.list_datasets()["data"]
-    assert dataset["num_records"] == 64
-    page.wait_for_selector(f"tr[data-dataset-id='{dataset['id']}']")
+    (uploaded,) = [d for d in client.list_datasets()["data"] if d["id"] not in before]
+    assert uploaded["num_records"] == 64
+    page.wait_for_selector(f"tr[data-dataset-id='{uploaded['id']}']")
     page.screenshot(path=str(SHOTS / "datasets.png"), full_page=True)
 
-    # The editor: an invalid spec is refused with the error at its field and line; nothing is created.
-    verifier = toy_verifier_dir
-    good = job_yaml(verifier, dataset["id"], "ui-first", lr=0.002, max_steps=8)
-    bad = good.replace("lr: 0.002", "lr: -1")
+
+def test_editor_refuses_an_invalid_spec_at_its_line(
+    page: Any, up: Up, client: PeagleClient, dataset: dict[str, Any], toy_verifier_dir: Path
+) -> None:
+    bad = job_yaml(toy_verifier_dir, dataset["id"], "ui-bad", lr=0.002, max_steps=8).replace(
+        "lr: 0.002", "lr: -1"
+    )
+    before = len(list(client.iter_jobs()))
     page.goto(f"{up.url}/ui/jobs/new")
     page.get_by_label("Job spec (YAML)", exact=False).fill(bad)
     page.get_by_role("button", name="Submit job").click()
@@ -186,46 +272,45 @@ def test_dashboard_end_to_end(
     assert "greater than 0" in error.inner_text()
     assert page.locator(".gutter .bad").inner_text() == str(lr_line)
     assert page.get_by_label("Job spec (YAML)", exact=False).get_attribute("aria-invalid") == "true"
-    assert client.list_jobs()["data"] == []
+    assert len(list(client.iter_jobs())) == before  # nothing was created
     page.screenshot(path=str(SHOTS / "editor-error.png"), full_page=True)
 
-    # Three jobs, queued in this order on the one worker: two to compare, one long one to cancel.
-    first = submit_from_editor(page, up.url, good)
-    second = submit_from_editor(
-        page, up.url, job_yaml(verifier, dataset["id"], "ui-second", lr=0.0005, max_steps=8, seed=1)
-    )
-    long = submit_from_editor(
-        page, up.url, job_yaml(verifier, dataset["id"], "ui-long", lr=0.001, max_steps=5000, epochs=300)
-    )
 
-    # Watch the first succeed live, then its charts hold every point the metrics API returns.
-    page.goto(f"{up.url}/ui/jobs/{first}")
+def test_job_page_follows_a_job_to_success(page: Any, up: Up, client: PeagleClient, jobs: Jobs) -> None:
+    page.goto(f"{up.url}/ui/jobs/{jobs.first}")
     page.wait_for_selector("#job-status[data-status='succeeded']", timeout=JOB_TIMEOUT_MS)
-    want_loss = api_rows(client, first, "loss")
-    want_eval = api_rows(client, first, "eval/acceptance_length@2")
+    # Its charts hold every point the metrics API returns.
+    want_loss = api_rows(client, jobs.first, "loss")
+    want_eval = api_rows(client, jobs.first, "eval/acceptance_length@2")
     assert want_loss == 8 and want_eval == 2
     page.wait_for_function(
         f"() => document.getElementById('chart-loss')?.data?.[0]?.x.length === {want_loss}"
     )
     assert chart_points(page, "chart-loss") == [want_loss]
     assert chart_points(page, "chart-acc") == [
-        api_rows(client, first, "acc_0"),
-        api_rows(client, first, "acc_1"),
+        api_rows(client, jobs.first, "acc_0"),
+        api_rows(client, jobs.first, "acc_1"),
     ]
-    assert chart_points(page, "chart-tps") == [api_rows(client, first, "tokens_per_s")]
-    assert chart_points(page, "chart-lr") == [api_rows(client, first, "lr")]
+    assert chart_points(page, "chart-tps") == [api_rows(client, jobs.first, "tokens_per_s")]
+    assert chart_points(page, "chart-lr") == [api_rows(client, jobs.first, "lr")]
     assert chart_points(page, "chart-al") == [want_eval]
     stages = page.locator("ol.timeline li strong").all_inner_texts()
     assert stages[:1] == ["prepare"] and "train" in stages and "export" in stages
     page.wait_for_selector("#events li:has-text('succeeded')")
-    (ckpt,) = client.list_checkpoints(first)["data"]
+    (ckpt,) = client.list_checkpoints(jobs.first)["data"]
     command = page.locator(f"#cmd-{ckpt['id']}").inner_text()
     assert command.startswith("VLLM_USE_V2_MODEL_RUNNER=0 vllm serve") and f"./{ckpt['id']}" in command
     page.get_by_role("button", name="Copy command").click()
     page.wait_for_selector(".copied:not(:empty)")
     page.screenshot(path=str(SHOTS / "job.png"), full_page=True)
 
-    # Download the checkpoint: every file's sha256 matches the listing, and so does the manifest.
+
+def test_job_page_downloads_match_the_checkpoint(
+    page: Any, up: Up, jobs: Jobs, first_checkpoint: dict[str, Any], tmp_path: Path
+) -> None:
+    ckpt = first_checkpoint
+    page.goto(f"{up.url}/ui/jobs/{jobs.first}")
+    # The whole archive: every file's sha256 matches the listing, and so does the manifest.
     with page.expect_download() as info:
         page.get_by_role("link", name="Download all (.tar)").click()
     archive = tmp_path / "ckpt.tar"
@@ -239,20 +324,23 @@ def test_dashboard_end_to_end(
     from service.artifacts import manifest_sha256
 
     assert manifest_sha256(ckpt["files"]) == ckpt["sha256"]
+    # One file.
     with page.expect_download() as info:
         page.get_by_role("link", name="model.safetensors").click()
     weights = next(f for f in ckpt["files"] if f["name"] == "model.safetensors")
     assert hashlib.sha256(Path(info.value.path()).read_bytes()).hexdigest() == weights["sha256"]
 
-    # The jobs list follows the long job live: its step moves on without a reload.
-    page.get_by_role("link", name="Jobs").click()
-    row = f"#jobs tr[data-job-id='{long}']"
+
+def test_jobs_list_follows_a_running_job_live(page: Any, up: Up, jobs: Jobs) -> None:
+    # The page opens on the jobs list: the long job's step moves on without a reload.
+    row = f"#jobs tr[data-job-id='{jobs.long}']"
     page.wait_for_selector(f"{row}[data-status='running']:not([data-step='0'])", timeout=JOB_TIMEOUT_MS)
     seen = page.get_attribute(row, "data-step")
     page.wait_for_selector(f"{row}[data-status='running']:not([data-step='{seen}'])", timeout=JOB_TIMEOUT_MS)
 
-    # Cancel the long job from its page while it runs.
-    page.goto(f"{up.url}/ui/jobs/{long}")
+
+def test_job_page_cancels_a_running_job(page: Any, up: Up, client: PeagleClient, jobs: Jobs) -> None:
+    page.goto(f"{up.url}/ui/jobs/{jobs.long}")
     page.wait_for_selector("#job-status[data-status='running']", timeout=JOB_TIMEOUT_MS)
     page.wait_for_function(
         "() => document.getElementById('chart-loss')?.data?.[0]?.x.length > 0", timeout=JOB_TIMEOUT_MS
@@ -261,16 +349,20 @@ def test_dashboard_end_to_end(
     # Any end state ends the wait, so a job that failed instead says so at once, with its error.
     ended = ", ".join(f"#job-status[data-status='{s}']" for s in ("cancelled", "failed", "succeeded"))
     page.wait_for_selector(ended, timeout=JOB_TIMEOUT_MS)
-    assert client.get_job(long)["status"] == "cancelled", client.get_job(long)["error"]
+    assert client.get_job(jobs.long)["status"] == "cancelled", client.get_job(jobs.long)["error"]
 
-    # The second job finished before the long one started: compare the two.
-    assert client.get_job(second)["status"] == "succeeded"
+
+def test_compare_page_overlays_two_jobs(page: Any, up: Up, client: PeagleClient, jobs: Jobs) -> None:
+    for job_id in (jobs.first, jobs.second):
+        job = client.wait(job_id, timeout_s=JOB_TIMEOUT_MS / 1000)
+        assert job["status"] == "succeeded", job["error"]
     page.get_by_role("link", name="Compare").first.click()
     page.get_by_label("ui-first", exact=False).check()
     page.get_by_label("ui-second", exact=False).check()
     page.get_by_role("button", name="Compare").click()
     page.wait_for_function("() => (document.getElementById('chart-compare')?.data || []).length === 2")
-    assert chart_points(page, "chart-compare") == [want_loss, api_rows(client, second, "loss")]
+    want = [api_rows(client, jobs.first, "loss"), api_rows(client, jobs.second, "loss")]
+    assert chart_points(page, "chart-compare") == want
     page.get_by_label("Metric", exact=True).select_option("eval")
     page.wait_for_function(
         "() => document.getElementById('chart-compare')?.data?.every(t => t.name.includes('ours K=2'))"
@@ -278,39 +370,50 @@ def test_dashboard_end_to_end(
     page.get_by_label("Metric", exact=True).select_option("loss")
     page.screenshot(path=str(SHOTS / "compare.png"), full_page=True)
 
-    # The jobs list: live, filterable by status, status in words.
-    page.get_by_role("link", name="Jobs").click()
-    rows = page.locator("#jobs tbody tr")
-    assert rows.count() == 3
-    assert page.locator(f"tr[data-job-id='{long}'] .status").inner_text().strip().endswith("cancelled")
+
+def test_jobs_list_shows_status_in_words_and_filters(
+    page: Any, up: Up, client: PeagleClient, jobs: Jobs
+) -> None:
+    for job_id in (jobs.first, jobs.second):
+        client.wait(job_id, timeout_s=JOB_TIMEOUT_MS / 1000)
+    page.reload()
+    assert page.locator("#jobs tbody tr").count() == 3
+    for job_id in jobs:
+        status = client.get_job(job_id)["status"]
+        if status in TERMINAL_STATUSES:  # a running one may move on between the two reads
+            text = page.locator(f"tr[data-job-id='{job_id}'] .status").inner_text()
+            assert text.strip().endswith(status), (job_id, text)
     page.screenshot(path=str(SHOTS / "jobs.png"), full_page=True)
     page.get_by_label("Status").select_option("succeeded")
     page.wait_for_url(re.compile(r".*status=succeeded"))
-    assert {r.get_attribute("data-status") for r in page.locator("#jobs tbody tr").all()} == {"succeeded"}
+    rows = page.locator("#jobs tbody tr").all()
+    assert {r.get_attribute("data-status") for r in rows} == {"succeeded"}
+    assert {jobs.first, jobs.second} <= {r.get_attribute("data-job-id") for r in rows}
 
-    assert console.errors == []
-    context.close()
-    client.close()
 
-    # Another project's key sees none of it: pages and downloads answer 404.
+def test_another_project_sees_none_of_it(
+    up: Up, browser: Any, jobs: Jobs, first_checkpoint: dict[str, Any]
+) -> None:
+    """Another project's key: its jobs list is empty, and every page and download answers 404."""
     from service.crud.projects import create_key
     from service.db.session import session_scope
 
     with session_scope(f"sqlite:///{up.data_dir / 'peagle.db'}") as s:
         other_key, _ = create_key(s, "someone-else")
     other = browser.new_context()
-    intruder = other.new_page()
-    sign_in(intruder, up.url, other_key)
-    assert intruder.locator("#jobs tbody tr[data-job-id]").count() == 0
-    response = intruder.goto(f"{up.url}/ui/jobs/{first}")
-    assert response.status == 404 and "Not found" in intruder.content()
-    for path in (
-        f"/ui/checkpoints/{ckpt['id']}/archive",
-        f"/ui/checkpoints/{ckpt['id']}/files/model.safetensors",
-        f"/ui/data/jobs/{first}/metrics",
-        f"/ui/compare?job={first}",
-    ):
-        assert other.request.get(f"{up.url}{path}").status == 404, path
-    other.close()
-    # Nothing above made the server fail (SSE disconnects, downloads, forms).
-    assert "Traceback" not in (up.data_dir / "logs" / "api.log").read_text()
+    try:
+        intruder = other.new_page()
+        sign_in(intruder, up.url, other_key)
+        assert intruder.locator("#jobs tbody tr[data-job-id]").count() == 0
+        response = intruder.goto(f"{up.url}/ui/jobs/{jobs.first}")
+        assert response.status == 404 and "Not found" in intruder.content()
+        ckpt = first_checkpoint["id"]
+        for path in (
+            f"/ui/checkpoints/{ckpt}/archive",
+            f"/ui/checkpoints/{ckpt}/files/model.safetensors",
+            f"/ui/data/jobs/{jobs.first}/metrics",
+            f"/ui/compare?job={jobs.first}",
+        ):
+            assert other.request.get(f"{up.url}{path}").status == 404, path
+    finally:
+        other.close()

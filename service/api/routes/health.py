@@ -14,7 +14,7 @@ from sqlalchemy import text
 
 from service.api import schemas
 from service.api.deps import AppMetrics, AppSettings, RedisConn, Sessions
-from service.api.errors import error_response
+from service.api.errors import ApiError
 
 router = APIRouter(tags=["health"])
 
@@ -46,7 +46,7 @@ def _check(sessions: Sessions, redis: RedisConn) -> tuple[str, str] | None:
 async def readyz(sessions: Sessions, redis: RedisConn) -> schemas.Readiness | JSONResponse:
     problem = await run_in_threadpool(_check, sessions, redis)
     if problem is not None:
-        return error_response(503, problem[1], code=problem[0])
+        return ApiError(503, problem[1], code=problem[0]).response()
     return schemas.Readiness()
 
 

@@ -19,7 +19,6 @@ import torch
 
 from peagle_core.evaluation.acceptance import (
     evaluate,
-    evaluate_reference,
     greedy_decode,
     held_out_prompts,
     speculative_decode,
@@ -102,7 +101,7 @@ def test_cached_pass_matches_full_pass(toy_verifier, prompts) -> None:
 def test_cached_evaluator_equals_reference_and_greedy(toy_verifier, drafter, prompts, greedy, k: int) -> None:
     eos = toy_verifier.tokenizer.eos_token_id
     for max_new in (40, 7):
-        reference = evaluate_reference(drafter, toy_verifier, prompts, k, max_new, eos)
+        reference = evaluate(drafter, toy_verifier, prompts, k, max_new, eos, reference=True)
         cached = evaluate(
             drafter, toy_verifier, prompts, k, max_new, eos, batch_size=3
         )  # 3 batches, last of 1
@@ -166,7 +165,7 @@ def test_varied_acceptance_decides_the_same_steps(toy_verifier, prompts, greedy)
 def test_no_speculative_step_when_the_first_token_ends_it(toy_verifier, drafter, prompts) -> None:
     eos = toy_verifier.tokenizer.eos_token_id
     result = evaluate(drafter, toy_verifier, prompts, 2, 1, eos)
-    assert result.tokens == evaluate_reference(drafter, toy_verifier, prompts, 2, 1, eos).tokens
+    assert result.tokens == evaluate(drafter, toy_verifier, prompts, 2, 1, eos, reference=True).tokens
     assert result.verifier_passes == 0 and result.acceptance_length == 0.0
     with pytest.raises(ValueError, match="k must be"):
         evaluate(drafter, toy_verifier, prompts, 0, 4, eos)

@@ -123,11 +123,16 @@ def test_a_second_run_reuses_the_result(reference: Path, chat_data: Path, toy_ve
     assert reference.stat().st_mtime_ns == before
 
 
+def first_prompt(tok, messages: list[dict[str, str]]) -> list[int]:
+    """The tokens the verifier sees before a conversation's first answer: through its first user turn."""
+    upto = 1 if messages[0]["role"] == "user" else 2
+    return encode(tok, render(tok, messages[:upto], add_generation_prompt=True))
+
+
 def test_edge_cases_are_counted_not_raised(toy_verifier, chat_data: Path, tmp_path: Path) -> None:
     tok = toy_verifier.tokenizer
     _, rows = read_rows(chat_data)
-    lengths = [len(encode(tok, render(tok, r.messages[:1] if r.messages[0]["role"] == "user" else r.messages[:2],
-                                      add_generation_prompt=True))) for r in rows]  # fmt: skip
+    lengths = [len(first_prompt(tok, r.messages)) for r in rows]
     # a seq_len between the prompt lengths: the longer first prompts are skipped, the rest rewritten
     seq_len = sorted(lengths)[len(lengths) // 2]
     params = RegenParams(max_new_tokens=2, seq_len=seq_len)
@@ -139,7 +144,8 @@ def test_edge_cases_are_counted_not_raised(toy_verifier, chat_data: Path, tmp_pa
     assert too_long >= sum(n >= seq_len for n in lengths) > 0
     assert hit_max == sum(c.counts.get("turns", 0) for c in convs) > 0  # 2 tokens never reach the end of turn
     # an answer that is empty: stop at the very token the verifier emits first
-    first = gen.generate([encode(tok, render(tok, rows[0].messages[:1], add_generation_prompt=True))], 1)[0]
+    # (the prompt the rewrite sends: with a system message it is system + user, not the system message alone)
+    first = gen.generate([first_prompt(tok, rows[0].messages)], 1)[0]
     empty_gen = TransformersGenerator(toy_verifier.model, tok, [first.tokens[0]], temperature=0.0, seed=0)
     convs, _ = rewrite_conversations(
         [(0, rows[0])], tok, empty_gen, RegenParams(max_new_tokens=4, seq_len=128)
