@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from service.api.errors import ApiError
 from service.crud import plans as plans_crud
 from service.crud import usage
-from service.crud.limits import lock_project, storage_used, unfinished_job_count
+from service.crud.limits import lock_project, storage_used, unfinished_machine_count
 from service.crud.projects import get_project
 from service.db.models import Project
 from service.settings import Settings
@@ -51,25 +51,26 @@ def _check_allowed_queue(project: Project, queue: str) -> None:
         )
 
 
-def check_new_job(db: Session, project_id: str, queue: str) -> None:
+def check_new_job(db: Session, project_id: str, queue: str, machines: int = 1) -> None:
     """Raise ApiError if the project may not create a job on `queue` now. Locks the project row until the
     caller's commit, so concurrent creates are counted one after the other; a refusal rolls back at once
     (the lock is not held until the request's teardown, which needs a thread of its own)."""
     with _released_on_refusal(db):
-        _check_new_job(db, project_id, queue)
+        _check_new_job(db, project_id, queue, machines)
 
 
-def _check_new_job(db: Session, project_id: str, queue: str) -> None:
+def _check_new_job(db: Session, project_id: str, queue: str, machines: int) -> None:
     project = lock_project(db, project_id)
     if project is None:
         return
     _check_allowed_queue(project, queue)
     limit = project.max_running_jobs
-    if limit is not None and (n := unfinished_job_count(db, project_id)) >= limit:
+    if limit is not None and (n := unfinished_machine_count(db, project_id)) + machines > limit:
+        asking = f" and this job asks for {machines}" if machines > 1 else ""
         raise ApiError(
             429,
-            f"this project has {n} queued or running jobs (limit max_running_jobs: {limit}); "
-            "retry when one finishes",
+            f"this project's queued or running jobs hold {n} machine(s){asking} (limit max_running_jobs: "
+            f"{limit}; a job across N machines counts N); retry when one finishes",
             code="running_jobs_limit",
             headers={"Retry-After": "30"},
         )

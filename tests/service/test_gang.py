@@ -66,3 +66,24 @@ def test_the_api_checks_resources_nodes(
     r = client.post("/v1/jobs", json={"spec": body}, headers=auth)
     assert r.status_code == 422, r.text
     assert "resources.nodes" in r.text
+
+
+def test_max_running_jobs_counts_machines(
+    client: Any, auth: dict[str, str], spec: dict[str, Any], db_url: str
+) -> None:
+    """A job across N machines holds N of the project's `max_running_jobs`, so a cap of 3 admits one
+    elastic job on up to 2 machines plus one single-machine job, and nothing more."""
+    from service.crud.limits import set_limits
+    from service.db.models import Project
+
+    elastic = post_job(client, auth, {**spec, "resources": {"nodes": "1:2"}})
+    with session_factory(db_url)() as s:
+        job = s.get(Job, elastic["id"])
+        set_limits(s, s.get(Project, job.project_id), max_running_jobs=3)
+        s.commit()
+    r = client.post("/v1/jobs", json={"spec": {**spec, "resources": {"nodes": 2}}}, headers=auth)
+    assert r.status_code == 429, r.text
+    assert "hold 2 machine(s) and this job asks for 2" in r.json()["error"]["message"]
+    assert post_job(client, auth, spec)["status"] == "queued"
+    r = client.post("/v1/jobs", json={"spec": spec}, headers=auth)
+    assert r.status_code == 429 and "hold 3 machine(s)" in r.json()["error"]["message"]

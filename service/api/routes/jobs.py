@@ -90,7 +90,7 @@ def create_job(
         replay = _replay(db, project.id, idempotency_key, body_hash, response)
         if replay is not None:
             return replay
-    check_new_job(db, project.id, spec.resources.queue)
+    check_new_job(db, project.id, spec.resources.queue, spec.resources.nodes_max)
     job = jobs_crud.create_job(
         db, project.id, spec.model_dump(mode="json"), max_attempts=settings.max_attempts, submitted=submitted
     )
