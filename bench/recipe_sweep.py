@@ -16,6 +16,7 @@ flags as given.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,14 @@ def training_data(source: str) -> tuple[Path, bool]:
         return get_dataset("sharegpt", first_turn=True, prompts_only=True, limit=limit)[0], True
     if kind == "sharegpt":
         # ShareGPT's own answers (another model's words): no regeneration, so data costs only a forward.
-        return get_dataset("sharegpt", first_turn=True, limit=limit)[0], False
+        # Short prompts only, as the demo picks them: a prompt longer than seq_len leaves nothing to train.
+        full, _ = get_dataset("sharegpt", first_turn=True)
+        out = full.with_name(f"sharegpt-first-turn-short-n{limit}.jsonl")
+        rows = [
+            r for r in full.read_text().splitlines() if len(json.loads(r)["messages"][0]["content"]) <= 500
+        ]
+        out.write_text("\n".join(rows[:limit]) + "\n")
+        return out, False
     if kind == "file":
         return Path(n), False  # a chat JSONL already answered by the verifier (e.g. a job's regenerated data)
     raise SystemExit(f"--data {source!r}: use regen:N, sharegpt:N or file:PATH")
@@ -81,8 +89,6 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=50, help="an upper bound; --steps ends the run")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-
-    import json
 
     from peagle_core.catalogue.datasets import get_dataset
     from peagle_core.catalogue.models import get_model
