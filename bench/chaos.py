@@ -24,7 +24,8 @@ queue and resumes from its last checkpoint once a replacement worker joins) and 
 same with `resources.nodes: "1:2"`: torchrun re-forms the gang on the survivor, which resumes from its
 last checkpoint at world size 1). Both report `steps_lost` (steps trained again after the resume: the
 highest step reached before it minus the step resumed from) and the world size of each start of the
-ranks.
+ranks. `gang_cancel`: a two-machine job cancelled mid-training must end `cancelled` with a checkpoint
+and no rank left running on either machine (not a success: it reports its own counts).
 
 lost: a job that did not succeed within --deadline-s. duplicated: a job with more than one published
 checkpoint, or whose metric rows show an older attempt writing after a newer one started (two attempts
@@ -551,6 +552,36 @@ def scenario_node_loss_elastic(stack: Stack, trials: int, args: argparse.Namespa
     _node_loss(stack, trials, args, nodes="1:2", name="node_loss_elastic")
 
 
+def scenario_gang_cancel(stack: Stack, trials: int, args: argparse.Namespace) -> None:
+    """A two-machine job cancelled mid-training: it ends `cancelled` with a checkpoint, and no rank is
+    left on either machine (the member hears the cancel through its own monitor, like the leader)."""
+    started, outcomes = time.monotonic(), {"cancelled": 0, "with_checkpoint": 0, "ranks_left": 0}
+    jobs = []
+    for _ in range(trials):
+        job_id = stack.submit(
+            args.steps, resources={"nodes": 2}, evaluation={"engine": "peagle"}, export={"vllm_check": False}
+        )
+        jobs.append(job_id)
+        if stack.wait_step(job_id, 4, args.deadline_s):
+            stack._until("a member machine", lambda j=job_id: _gang_member(stack, j), 60, fail=False)
+        stack.http.post(f"/v1/jobs/{job_id}/cancel").raise_for_status()
+        final = stack.wait_done([job_id], args.deadline_s)
+        outcomes["cancelled"] += final.get(job_id) == "cancelled"
+        events = (stack._get(f"/v1/jobs/{job_id}/events?limit=1000") or {"data": []})["data"]
+        outcomes["with_checkpoint"] += any((e.get("data") or {}).get("checkpoint_saved") for e in events)
+        # The horses exit with their ranks; whatever still runs `worker.multigpu` for this job was orphaned.
+        stack._until(
+            "both machines' ranks gone",
+            lambda j=job_id: not any(j in " ".join(_try(p.cmdline) or []) for p in psutil.process_iter()),
+            60,
+            fail=False,
+        )
+        outcomes["ranks_left"] += sum(j in " ".join(_try(p.cmdline) or []) for p in psutil.process_iter()
+                                      for j in [job_id])  # fmt: skip
+    emit(bench="chaos", scenario="gang_cancel", trials=trials, **outcomes,
+         wall_s=round(time.monotonic() - started, 1))  # fmt: skip
+
+
 def scenario_dataset_race(stack: Stack, trials: int, args: argparse.Namespace) -> None:
     import threading
 
@@ -611,6 +642,7 @@ SCENARIOS = {
     "dataset_race": scenario_dataset_race,
     "node_loss": scenario_node_loss,
     "node_loss_elastic": scenario_node_loss_elastic,
+    "gang_cancel": scenario_gang_cancel,
 }
 
 
@@ -626,6 +658,7 @@ def main() -> None:
     ap.add_argument("--dataset-race", type=int, default=30)
     ap.add_argument("--node-loss", type=int, default=2)
     ap.add_argument("--node-loss-elastic", type=int, default=2)
+    ap.add_argument("--gang-cancel", type=int, default=2)
     ap.add_argument("--outage-s", type=float, default=60.0)
     ap.add_argument(
         "--steps", type=int, default=200, help="training steps per job (~15 steps/s on a free core)"
@@ -651,6 +684,7 @@ def main() -> None:
         "dataset_race": args.dataset_race,
         "node_loss": args.node_loss,
         "node_loss_elastic": args.node_loss_elastic,
+        "gang_cancel": args.gang_cancel,
     }
     try:
         for name, trials in counts.items():
