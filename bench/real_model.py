@@ -62,14 +62,8 @@ def recipe(
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, default=Path("bench-real-model"), help="reused between runs")
-    p.add_argument("--drafter", type=Path, help="an exported drafter: skip training")
-    p.add_argument("--train-prompts", type=int, default=480, help="ShareGPT first turns to regenerate")
-    p.add_argument(
-        "--train-data", type=Path, help="chat JSONL already answered by the verifier (skips regeneration)"
-    )
+def add_recipe_args(p: argparse.ArgumentParser) -> None:
+    """The flags `recipe` reads (bench/recipe_sweep.py shares them, with its own defaults)."""
     p.add_argument("--regen-tokens", type=int, default=192)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--hs-engine", default="vllm", choices=["vllm", "transformers"])
@@ -81,6 +75,17 @@ def main() -> None:
     p.add_argument("--cod-min", type=float, default=0.2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--epochs", type=int, default=3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=Path("bench-real-model"), help="reused between runs")
+    p.add_argument("--drafter", type=Path, help="an exported drafter: skip training")
+    p.add_argument("--train-prompts", type=int, default=480, help="ShareGPT first turns to regenerate")
+    p.add_argument(
+        "--train-data", type=Path, help="chat JSONL already answered by the verifier (skips regeneration)"
+    )
+    add_recipe_args(p)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
     p.add_argument("--ks", type=int, nargs="*", help="K values to evaluate (default 1..num_depths)")

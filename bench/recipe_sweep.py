@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import emit
-from real_model import MODEL, recipe
+from real_model import MODEL, add_recipe_args, recipe
 
 KNOBS = {
     "num_layers": int, "num_depths": int, "draft_vocab": int, "cod_ratio": float, "cod_min": float,
@@ -76,17 +76,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80, help="optimizer steps per variant (the fixed budget)")
     p.add_argument("--eval-prompts", type=int, default=16, help="MT-Bench first turns scored")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--regen-tokens", type=int, default=96)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--hs-engine", default="transformers", choices=["vllm", "transformers"])
-    p.add_argument("--total-seq-len", type=int, default=4096)
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--num-depths", type=int, default=4)
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--cod-ratio", type=float, default=0.7)
-    p.add_argument("--cod-min", type=float, default=0.2)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--epochs", type=int, default=50, help="an upper bound; --steps ends the run")
+    add_recipe_args(p)
+    # `--steps` ends each run; the epochs only bound it.
+    p.set_defaults(regen_tokens=96, seq_len=512, hs_engine="transformers", epochs=50)
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
