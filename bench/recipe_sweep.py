@@ -56,9 +56,9 @@ def training_data(source: str) -> tuple[Path, bool]:
         # Short prompts only, as the demo picks them: a prompt longer than seq_len leaves nothing to train.
         full, _ = get_dataset("sharegpt", first_turn=True)
         out = full.with_name(f"sharegpt-first-turn-short-n{limit}.jsonl")
-        rows = [
-            r for r in full.read_text().splitlines() if len(json.loads(r)["messages"][0]["content"]) <= 500
-        ]
+        # Split on newlines only: the text holds U+2028 and other characters str.splitlines() breaks at.
+        lines = [r for r in full.read_text().split("\n") if r.strip()]
+        rows = [r for r in lines if len(json.loads(r)["messages"][0]["content"]) <= 500]
         out.write_text("\n".join(rows[:limit]) + "\n")
         return out, False
     if kind == "file":
