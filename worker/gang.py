@@ -33,7 +33,14 @@ from service.queue import enqueue_join, redis_from_url
 from service.settings import Settings
 from worker.job_io import write_event
 from worker.monitor import JobMonitor, stale_after_s
-from worker.multigpu import JobAbandoned, rank_device, ranks_started, run_ranks, train_distributed
+from worker.multigpu import (
+    JobAbandoned,
+    RankLaunch,
+    rank_device,
+    ranks_started,
+    run_ranks,
+    train_distributed,
+)
 from worker.rendezvous import Rendezvous, free_port
 
 log = logging.getLogger(__name__)
@@ -107,10 +114,9 @@ class GangLeader:
             run_id=rendezvous.run_id,
         )
         try:
-            return train_distributed(
-                self.settings, self.job_id, spec, work_dir, dataset_dir, cache_dir, attempt=self.attempt,
-                worker_name=self.worker_name, preempted=self.preempted, rendezvous=rendezvous,
-            )  # fmt: skip
+            launch = RankLaunch(self.settings, self.job_id, spec, work_dir, dataset_dir, cache_dir, self.attempt,
+                                self.worker_name)  # fmt: skip
+            return train_distributed(launch, preempted=self.preempted, rendezvous=rendezvous)
         except PeagleError as exc:
             if not ranks_started(work_dir, self.attempt):
                 raise self._incomplete(spec) from exc
@@ -203,10 +209,10 @@ class GangMember:
         code = -1
         try:
             out_dir = self._local_dir(gang["out_dir"])
+            launch = RankLaunch(self.settings, self.job_id, spec, out_dir, self._dataset_dir(gang, out_dir),
+                                self._cache_dir(gang, out_dir), self.attempt, self.worker_name)  # fmt: skip
             code = run_ranks(
-                self.settings, self.job_id, spec, out_dir, self._dataset_dir(gang, out_dir),
-                self._cache_dir(gang, out_dir), attempt=self.attempt, worker_name=self.worker_name,
-                result_path=out_dir / f"result-attempt{self.attempt}-node{self.slot}.json",
+                launch, result_path=out_dir / f"result-attempt{self.attempt}-node{self.slot}.json",
                 preempted=monitor.preempted, rendezvous=Rendezvous.from_dict(gang), leader=False,
                 abort=monitor.lost, node=self.slot,
             )  # fmt: skip

@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from peagle_core.errors import PeagleError
@@ -67,16 +68,24 @@ def rank_device(gpus: int) -> str:
     )
 
 
+@dataclass(frozen=True)
+class RankLaunch:
+    """What every machine's ranks of one attempt train on: the job, its checked spec and this machine's
+    directories (`cache_dir` None: the spec's own)."""
+
+    settings: Settings
+    job_id: str
+    spec: JobSpec
+    out_dir: Path
+    dataset_dir: Path
+    cache_dir: Path | None
+    attempt: int
+    worker_name: str
+
+
 def train_distributed(
-    settings: Settings,
-    job_id: str,
-    spec: JobSpec,
-    out_dir: Path,
-    dataset_dir: Path,
-    cache_dir: Path | None,
+    launch: RankLaunch,
     *,
-    attempt: int,
-    worker_name: str,
     preempted: threading.Event | None = None,
     rendezvous: Rendezvous | None = None,
 ) -> PipelineResult:
@@ -85,12 +94,9 @@ def train_distributed(
 
     The ranks read the horse's checked spec as its user wrote it (unset fields stay unset). Once
     `preempted` is set (the horse's PREEMPT_SIGNAL handler), the signal is forwarded to every rank."""
-    result_path = out_dir / f"result-attempt{attempt}.json"
+    result_path = launch.out_dir / f"result-attempt{launch.attempt}.json"
     result_path.unlink(missing_ok=True)
-    code = run_ranks(
-        settings, job_id, spec, out_dir, dataset_dir, cache_dir, attempt=attempt, worker_name=worker_name,
-        result_path=result_path, preempted=preempted, rendezvous=rendezvous, leader=True,
-    )  # fmt: skip
+    code = run_ranks(launch, result_path=result_path, preempted=preempted, rendezvous=rendezvous, leader=True)
     if not result_path.is_file():
         raise PeagleError(
             f"a training rank exited (torchrun status {code}) before rank 0 reported a result; "
@@ -110,15 +116,8 @@ def ranks_started(out_dir: Path, attempt: int) -> bool:
 
 
 def run_ranks(
-    settings: Settings,
-    job_id: str,
-    spec: JobSpec,
-    out_dir: Path,
-    dataset_dir: Path,
-    cache_dir: Path | None,
+    launch: RankLaunch,
     *,
-    attempt: int,
-    worker_name: str,
     result_path: Path,
     preempted: threading.Event | None = None,
     rendezvous: Rendezvous | None = None,
@@ -131,6 +130,7 @@ def run_ranks(
     Without `rendezvous` torchrun is standalone (one machine); with it, this machine is one node of the
     gang (`leader`: it hosts the store and its ranks come first). `abort` set (the job is no longer this
     attempt's): torchrun is stopped unless its ranks end within ABANDON_GRACE_S. `node` tells apart the files of machines sharing `out_dir`."""
+    settings, spec, out_dir, attempt = launch.settings, launch.spec, launch.out_dir, launch.attempt
     suffix = f"-node{node}" if node else ""
     spec_path = out_dir / f"spec-attempt{attempt}{suffix}.json"
     atomic_write_json(spec_path, spec.model_dump(mode="json", exclude_unset=True))
@@ -147,19 +147,20 @@ def run_ranks(
         # CPU ranks share the cores: one intra-op thread each avoids oversubscription.
         env.setdefault("OMP_NUM_THREADS", "1")
     if rendezvous is None:
-        launch = ["--standalone"]
+        rdzv = ["--standalone"]
     else:
-        launch = rendezvous.torchrun_args(is_host=leader, local_addr=settings.worker_address)
+        rdzv = rendezvous.torchrun_args(is_host=leader, local_addr=settings.worker_address)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", *launch,
+        sys.executable, "-m", "torch.distributed.run", *rdzv,
         f"--nproc-per-node={spec.resources.gpus}",
         "-m", "worker.multigpu",
-        "--job-id", job_id, "--spec", str(spec_path), "--out-dir", str(out_dir), "--dataset-dir", str(dataset_dir),
-        "--attempt", str(attempt), "--worker-name", worker_name, "--result", str(result_path),
+        "--job-id", launch.job_id, "--spec", str(spec_path), "--out-dir", str(out_dir),
+        "--dataset-dir", str(launch.dataset_dir), "--attempt", str(attempt), "--worker-name", launch.worker_name,
+        "--result", str(result_path),
         "--pid-dir", str(pid_dir),
     ]  # fmt: skip
-    if cache_dir is not None:
-        cmd += ["--cache-dir", str(cache_dir)]
+    if launch.cache_dir is not None:
+        cmd += ["--cache-dir", str(launch.cache_dir)]
     if rendezvous is not None and leader:
         cmd += ["--leader"]
     proc = subprocess.Popen(cmd, env=env)

@@ -42,7 +42,7 @@ from worker.gang import GangLeader, NodeLost
 from worker.job_io import error_for, event_recorder, submitted_spec
 from worker.mirror import CheckpointMirror, restore
 from worker.monitor import JobMonitor
-from worker.multigpu import rank_device, train_distributed
+from worker.multigpu import RankLaunch, rank_device, train_distributed
 from worker.progress import ProgressWriter
 from worker.trackers import JobTrackers
 from worker.usage import local_bytes
@@ -323,17 +323,9 @@ class JobRunner:
             spec: JobSpec, work_dir: Path, dataset_dir: Path, cache_dir: Path, _cb: Callbacks, _resume: bool
         ) -> PipelineResult:
             # The ranks report through the database themselves (worker.multigpu).
-            return train_distributed(
-                self.settings,
-                self.job_id,
-                spec,
-                work_dir,
-                dataset_dir,
-                cache_dir,
-                attempt=job.attempt,
-                worker_name=self.worker_name,
-                preempted=preempted,
-            )
+            launch = RankLaunch(self.settings, self.job_id, spec, work_dir, dataset_dir, cache_dir, job.attempt,
+                                self.worker_name)  # fmt: skip
+            return train_distributed(launch, preempted=preempted)
 
         return train_stage
 
