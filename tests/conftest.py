@@ -1,4 +1,5 @@
-"""Suite-wide fixtures and markers: CUDA-only tests skip without a GPU."""
+"""Suite-wide fixtures and markers: CUDA-only tests skip without a GPU; tests sharing the session's vLLM
+engine (or what only it needs) run on one xdist worker."""
 
 from __future__ import annotations
 
@@ -21,7 +22,16 @@ def _cuda_available() -> bool:
         return False
 
 
+# Session fixtures too costly to build once per worker (a vLLM child, drafters trained for the serving
+# tests, SmolLM2 from its wheel): every test that uses one joins the group one worker runs.
+SHARED_ON_ONE_WORKER = {"vllm_engine", "plain_greedy", "exported_drafters", "smollm2_dir"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook reads the group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SHARED_ON_ONE_WORKER.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -15,6 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_suite.py"
+# One xdist worker runs this module, so the module-scoped dry run (~40 s) happens once.
+pytestmark = pytest.mark.xdist_group("gpu_suite")
 
 
 def _load_suite_module() -> Any:
