@@ -90,6 +90,9 @@ def main() -> None:
     p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
     p.add_argument("--ks", type=int, nargs="*", help="K values to evaluate (default 1..num_depths)")
     p.add_argument("--timing-prompts", type=int, default=16)
+    p.add_argument(
+        "--timing-ks", type=int, nargs="*", help="K values timed at each batch size (default: num_depths)"
+    )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
@@ -195,11 +198,11 @@ def main() -> None:
 
         timing = prompts[: args.timing_prompts]
         with VllmEngine() as drafted:  # the drafted side in its own process: runs alternate in pairs
-            for batch in (1, 8):
+            for batch, k in ((b, k) for b in (1, 8) for k in args.timing_ks or [depths]):
                 groups = [timing[i : i + batch] for i in range(0, len(timing), batch)]
                 r = paired_speedup(vllm, drafted, v, groups, args.new_tokens, drafter=str(drafter_dir),
-                                   k=depths, rounds=args.repeats, options=opts)  # fmt: skip
-                emit(bench="real_model", batch=batch, k=depths, prompts=len(timing), repeats=args.repeats,
+                                   k=k, rounds=args.repeats, options=opts)  # fmt: skip
+                emit(bench="real_model", batch=batch, k=k, prompts=len(timing), repeats=args.repeats,
                      plain_tokens_per_s=r["baseline_output_tokens_per_s"],
                      drafter_tokens_per_s=r["output_tokens_per_s"], speedup=r["speedup"],
                      speedup_per_round=r["speedup_per_round"], lossless=r["lossless"])  # fmt: skip
