@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
     p.add_argument("--ks", type=int, nargs="*", help="K values to evaluate (default 1..num_depths)")
-    p.add_argument("--timing-prompts", type=int, default=16)
+    p.add_argument("--timing-prompts", type=int, default=16, help="0: no speed-up timing")
     p.add_argument(
         "--timing-ks", type=int, nargs="*", help="K values timed at each batch size (default: num_depths)"
     )
@@ -197,6 +197,8 @@ def main() -> None:
                          peagle_acceptance_length=ours_cats[c]["acceptance_length"])  # fmt: skip
 
         timing = prompts[: args.timing_prompts]
+        if not timing:  # --timing-prompts 0: acceptance only
+            return
         with VllmEngine() as drafted:  # the drafted side in its own process: runs alternate in pairs
             for batch, k in ((b, k) for b in (1, 8) for k in args.timing_ks or [depths]):
                 groups = [timing[i : i + batch] for i in range(0, len(timing), batch)]
