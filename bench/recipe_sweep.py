@@ -111,7 +111,8 @@ def main() -> None:
         t0 = time.monotonic()
         result = Pipeline.of(spec, args.work / f"run-{name}", store=store).run(resume=False)
         m = result.metrics
-        at_k = ((result.evaluation or {}).get("results") or {}).get(f"k={v.num_depths}", {})
+        results = (result.evaluation or {}).get("results") or {}
+        at_k = results.get(f"k={v.num_depths}", {})
         emit(
             bench="recipe_sweep",
             variant=name,
@@ -120,6 +121,8 @@ def main() -> None:
             seconds=round(time.monotonic() - t0, 1),
             recipe={k: getattr(v, k) for k in KNOBS},
             acceptance_length=at_k.get("acceptance_length"),
+            # Every K the drafter serves, so drafters trained with different num_depths compare at equal K.
+            acceptance_length_by_k={k: r.get("acceptance_length") for k, r in results.items()},
             acceptance_rate_per_position=at_k.get("acceptance_rate_per_position"),
             categories={c: f.get("acceptance_length") for c, f in (at_k.get("categories") or {}).items()},
             train_accuracy={k: round(val, 3) for k, val in m.items() if k.startswith("acc_")},
