@@ -121,7 +121,7 @@ def main() -> None:
             seconds=round(time.monotonic() - t0, 1),
             recipe={k: getattr(v, k) for k in KNOBS},
             acceptance_length=at_k.get("acceptance_length"),
-            # Every K the drafter serves, so drafters trained with different num_depths compare at equal K.
+            # Every K the evaluation ran (`evaluation.speculative_tokens`), not only K = num_depths.
             acceptance_length_by_k={k: r.get("acceptance_length") for k, r in results.items()},
             acceptance_rate_per_position=at_k.get("acceptance_rate_per_position"),
             categories={c: f.get("acceptance_length") for c, f in (at_k.get("categories") or {}).items()},
