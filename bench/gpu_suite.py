@@ -141,6 +141,7 @@ CAPS = {
     "online_step": 60,
     "hybrid_epoch": 50,
     "speculators_step": 120,  # its forward is torch.compile'd on CUDA
+    "train_throughput": 150,  # bench/train_throughput.py at SmolLM2's shape: today's path, the new one, speculators
     "hidden_states_engines": 240,  # two vLLM starts (toy, SmolLM2 when carried) and the builds
     "real_model": 480,  # bench/real_model.py at a GPU's scale: regenerate, train, MT-Bench in vLLM and ours
     "scale": 120,  # bench/scale.py --quick: a torchrun launch per sharding and world size
@@ -407,6 +408,18 @@ def scale(ctx: Context, cap_s: float) -> dict[str, Any]:
     return {"figures": lines}
 
 
+def train_throughput(ctx: Context, cap_s: float) -> dict[str, Any]:
+    """bench/train_throughput.py at SmolLM2's drafter shape in a child process: today's path (fp32, plain
+    attention, eager loss) beside the new one and speculators'. The CPU dry run times two steps of the new
+    path on a short row."""
+    if ctx.dry:
+        args = ["--variants", "new", "--steps", "1", "--warmup", "1", "--seq-len", "512"]
+    else:
+        args = ["--steps", "10", "--warmup", "3"]
+    lines = _bench_child("train_throughput.py", ["--shape", "smollm2", *args], cap_s)
+    return {"figures": lines}
+
+
 def real_model(ctx: Context, cap_s: float) -> dict[str, Any]:
     """bench/real_model.py, the headline figures (acceptance length in vLLM and ours on MT-Bench, vLLM's
     speed-up at batch 1 and 8), in a child process: it needs SmolLM2's wheel in pip's cache on the device."""
@@ -521,6 +534,7 @@ def make_trainer(
         optimizer=optimizer,
         scheduler=scheduler,
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
+        precision="bf16" if device.type == "cuda" else "fp32",
         total_steps=total_steps,
         prompts=[],
         ckpt_root=out / "checkpoints",
@@ -1134,6 +1148,7 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
             needs=(*real, "speculators"),
         )
     ctx.verifier = None
+    suite.stage("train_throughput", lambda cap: train_throughput(ctx, cap), needs=("device", "peagle_core"))
     suite.stage(
         "hidden_states_engines",
         lambda cap: hidden_states_engines(ctx, cap),

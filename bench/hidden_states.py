@@ -1,5 +1,6 @@
 """Hidden-state sources: cache bytes per token, cached-read vs online throughput, hybrid epoch 2 vs offline,
-and the engine column: cache-build tokens/s and bytes/token with `transformers` vs `vllm`.
+and the engine column: cache-build tokens/s and bytes/token with `transformers` vs `vllm`, vLLM in each of
+`--vllm-dtypes` (fp32 and bf16 by default, with their tokens/s ratio).
 
 Uses the toy verifier (the `default` size when it is already built, else `test`; `--size` forces one) and
 a prepared toy corpus; the engine comparison also runs on SmolLM2-135M-Instruct when
@@ -33,7 +34,7 @@ from peagle_core.hidden_states.cache import CacheFingerprint, HiddenStateCache
 from peagle_core.hidden_states.engines import build_cache_vllm
 from peagle_core.hidden_states.loader import BatchLoader, HybridSource, OfflineSource, VerifierCompute
 from peagle_core.hidden_states.verifier import Verifier
-from peagle_core.hidden_states.vllm_extract import VllmHiddenStates, VllmHiddenStatesConfig, vllm_dtype
+from peagle_core.hidden_states.vllm_extract import VllmHiddenStates, VllmHiddenStatesConfig
 from peagle_core.vllm_engine import vllm_available
 
 SMOLLM2_DIR = Path.home() / ".cache" / "peagle" / "models" / "smollm2-135m-instruct-float32"
@@ -68,7 +69,14 @@ def run_epoch(ds, source, bins, total_seq_len: int) -> int:
 
 
 def engine_builds(
-    label: str, vdir: Path, data: Path, work: Path, engines: list[str], seq_len: int, device: str | None
+    label: str,
+    vdir: Path,
+    data: Path,
+    work: Path,
+    engines: list[str],
+    seq_len: int,
+    device: str | None,
+    vllm_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
 ) -> None:
     """One bf16 cache build per engine over the same prepared data: tokens/s, bytes/token, engine start."""
     ds = prepare_dataset(vdir, data, work / f"prepared-{label}", seq_len=seq_len)
@@ -77,8 +85,12 @@ def engine_builds(
     tokens = sum(ds.lengths)
     common = {"verifier": label, "hidden_size": verifier.hidden_size, "device": str(verifier.device),
               "samples": len(ds), "tokens": tokens, "dtype": "bf16"}  # fmt: skip
-    for engine in engines:
-        out = work / f"engine-{label}-{engine}"
+    runs = [(e, None) for e in engines if e != "vllm"] + [
+        ("vllm", d) for d in vllm_dtypes if "vllm" in engines
+    ]
+    rates: dict[str, float] = {}
+    for engine, vdtype in runs:
+        out = work / f"engine-{label}-{engine}-{vdtype}"
         if engine == "transformers":
             compute = VerifierCompute(ds, lambda: verifier)
             compute([0])  # warm-up
@@ -88,7 +100,7 @@ def engine_builds(
         else:
             config = VllmHiddenStatesConfig(
                 str(vdir), tuple(verifier.layer_ids), max_model_len=seq_len + 16,
-                dtype=vllm_dtype("auto", verifier.device.type == "cuda"),
+                dtype=vdtype,
             )  # fmt: skip
             with VllmHiddenStates(config) as vllm:
                 start_s = vllm.start_seconds
@@ -96,10 +108,14 @@ def engine_builds(
                 build_cache_vllm(out, ds, fp, vllm, dtype="bf16")
                 seconds = time.perf_counter() - t0
         cache = HiddenStateCache.open(out, fp)
-        emit("build_tokens_per_s", tokens / seconds, "tokens/s", engine=engine, **common)
-        emit("build_bytes_per_token", cache.total_bytes / tokens, "bytes", engine=engine, **common)
+        extra = {"engine": engine} if vdtype is None else {"engine": engine, "verifier_dtype": vdtype}
+        emit("build_tokens_per_s", tokens / seconds, "tokens/s", **extra, **common)
+        emit("build_bytes_per_token", cache.total_bytes / tokens, "bytes", **extra, **common)
         if engine == "vllm":
-            emit("engine_start_s", start_s, "s", engine=engine, **common)
+            emit("engine_start_s", start_s, "s", **extra, **common)
+            rates[vdtype] = tokens / seconds
+    if {"float32", "bfloat16"} <= rates.keys():
+        emit("vllm_bf16_over_fp32", rates["bfloat16"] / rates["float32"], "x", engine="vllm", **common)
 
 
 def main() -> None:
@@ -114,8 +130,12 @@ def main() -> None:
     ap.add_argument("--only", choices=["all", "sources", "engines"], default="all")
     ap.add_argument("--engines", default="transformers,vllm", help="Comma-separated engines to compare.")
     ap.add_argument("--smollm2-samples", type=int, default=32)
+    ap.add_argument(
+        "--vllm-dtypes", default="float32,bfloat16", help="Verifier dtypes vLLM builds the cache in."
+    )
     args = ap.parse_args()
     engines = [e for e in args.engines.split(",") if e]
+    dtypes = tuple(d for d in args.vllm_dtypes.split(",") if d)
     if "vllm" in engines and not vllm_available():
         print("# vLLM is not installed: the engine column has transformers only", file=sys.stderr)
         engines.remove("vllm")
@@ -125,10 +145,12 @@ def main() -> None:
     vdir = toy.build_toy_verifier(size, seed=0)
     data = toy.write_toy_dataset(work / "data.jsonl", n=args.samples, seed=0)
     if args.only in ("all", "engines"):
-        engine_builds(f"toy-{size}", vdir, data, work, engines, args.seq_len, args.device)
+        engine_builds(f"toy-{size}", vdir, data, work, engines, args.seq_len, args.device, dtypes)
         if SMOLLM2_DIR.is_dir():
             small = toy.write_toy_dataset(work / "data-smollm2.jsonl", n=args.smollm2_samples, seed=0)
-            engine_builds("smollm2-135m", SMOLLM2_DIR, small, work, engines, args.seq_len, args.device)
+            engine_builds(
+                "smollm2-135m", SMOLLM2_DIR, small, work, engines, args.seq_len, args.device, dtypes
+            )
         else:
             print(f"# {SMOLLM2_DIR} is absent: SmolLM2 engine figures skipped", file=sys.stderr)
         if args.only == "engines":

@@ -1,32 +1,230 @@
-"""Training throughput: tokens/s and MFU of full training steps (cached hidden states → forward, backward, AdamW).
+"""Training throughput: tokens/s, MFU and peak RSS of full training steps (forward, backward, clip, AdamW).
 
-Standard small config: the toy verifier's H=256, a 4-layer drafter with K=4 depths, packed rows of 2048
-tokens. Hidden states come from an offline cache built first (not timed). MFU divides the step's model
-FLOPs by a measured fp32 GEMM peak (bench/_common.py). Prints one JSON line.
+Each variant runs in its own process (its peak RSS and allocator settings are its own), one JSON line each:
 
-    python bench/train_throughput.py --steps 10
+- `today`: the path before the hardware work: fp32, attention in plain PyTorch ops (`chunked`), eager
+  loss kernels, multi-tensor AdamW, glibc's default allocator settings;
+- `new`: what a job runs now: `training.precision: auto` (bf16 on a CPU with AMX-BF16 or AVX512-BF16),
+  the fused flash-attention kernel, compiled loss kernels, fused AdamW, the allocator kept warm;
+- `speculators`: speculators 0.9's P-EAGLE training step at the same shape (bf16 autocast, SDPA).
+
+Shapes: `smollm2` is SmolLM2-135M's drafter (H 576, 9 query / 3 KV heads, intermediate 1536, vocabulary
+49,152, draft vocabulary 8,192, 1 layer, K=4, COD 0.7 / 0.2) over 4,096 tokens packed as 8 documents of
+512, on synthetic hidden states (a step's cost does not depend on their values); `toy` is the toy
+verifier's drafter (H 256, 4 layers) on its cached hidden states. MFU divides the step's model FLOPs by
+the measured GEMM peak of the precision the variant computes in.
+
+    python bench/train_throughput.py --shape smollm2 --steps 6
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from _common import drafter_step_flops, emit, gemm_peak_flops
+from _common import drafter_step_flops, emit, gemm_peak_flops, peak_rss_mb, run_child
+
+VARIANTS = ("today", "new", "speculators")
+SMOLLM2 = {
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+}
+SMOLLM2_DRAFTER = {"num_layers": 1, "num_depths": 4, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per packed row")
-    parser.add_argument("--toy-size", default="default", choices=["default", "test"])
-    parser.add_argument("--samples", type=int, default=400, help="conversations to cache")
+    parser.add_argument("--shape", default="smollm2", choices=["smollm2", "toy"])
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, warms caches)")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
+    )
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a child's one variant
     args = parser.parse_args()
+    if args.variant:
+        emit(**run_variant(args))
+        return
 
+    results: dict[str, dict[str, Any]] = {}
+    for variant in args.variants.split(","):
+        child = [__file__, "--variant", variant, "--shape", args.shape, "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--seq-len", str(args.seq_len)]  # fmt: skip
+        env_note = {"PEAGLE_COMPILE": "0"} if variant == "today" else {}
+        try:
+            lines = _child(child, env_note)
+        except Exception as exc:  # one variant failing (e.g. speculators missing) still reports the others
+            emit(metric="train_throughput", variant=variant, shape=args.shape, error=str(exc)[-2000:])
+            continue
+        for line in lines:
+            print(json.dumps(line), flush=True)
+            results[variant] = line
+    if "today" in results and "new" in results:
+        summary = {
+            "new_over_today": round(results["new"]["tokens_per_s"] / results["today"]["tokens_per_s"], 3)
+        }
+        if "speculators" in results:
+            summary["new_over_speculators"] = round(
+                results["new"]["tokens_per_s"] / results["speculators"]["tokens_per_s"], 3
+            )
+            summary["rss_new_over_today"] = round(
+                results["new"]["peak_rss_mb"] / results["today"]["peak_rss_mb"], 3
+            )
+        emit(metric="train_throughput_ratio", shape=args.shape, **summary)
+
+
+def _child(args: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return run_child(args, timeout=3600)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ------------------------------------------------------------------------------------------ one variant
+
+
+def run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.variant == "speculators":
+        step, cfg, batches = _speculators_setup(args, device)
+        precision = "bf16"
+    else:
+        step, cfg, batches, precision = _ours_setup(args, device)
+    elapsed = tokens = flops = 0.0
+    for i in range(args.steps + args.warmup):
+        batch = batches(i)
+        _sync(device)
+        t0 = time.perf_counter()
+        positions = step(batch, i)
+        _sync(device)
+        if i < args.warmup:
+            continue
+        elapsed += time.perf_counter() - t0
+        tokens += batch.num_tokens
+        flops += drafter_step_flops(cfg, args.seq_len, positions)
+    peak = gemm_peak_flops(dtype=torch.bfloat16 if precision == "bf16" else torch.float32, device=device)
+    achieved = flops / elapsed
+    return {
+        "metric": "train_throughput",
+        "variant": args.variant,
+        "shape": args.shape,
+        "device": device.type,
+        "precision": precision,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+        "num_depths": cfg.num_depths,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "step_s": round(elapsed / args.steps, 4),
+        "model_tflops": round(achieved / 1e12, 4),
+        "peak_tflops": round(peak / 1e12, 4),
+        "mfu": round(achieved / peak, 4),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ours_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any, str]:
+    from peagle_core.model.precision import autocast_for, resolve_precision
+    from peagle_core.training.builders import build_optimizer
+    from peagle_core.training.cpu_runtime import keep_freed_memory
+    from peagle_core.training.loop import forward_backward
+
+    new = args.variant == "new"
+    if args.shape == "smollm2":
+        model, teacher, batches = _smollm2_ours(args, device)
+    else:
+        model, teacher, batches = _toy_ours(args, device)
+    model.attention_backend = "auto" if new else "chunked"
+    precision = resolve_precision("auto", device) if new else "fp32"
+    if new and device.type == "cpu":
+        keep_freed_memory()
+    optimizer = build_optimizer(model, 1e-4, 0.01)
+    if not new:  # the multi-tensor AdamW the trainer used before
+        optimizer = torch.optim.AdamW(optimizer.param_groups, lr=1e-4, betas=(0.9, 0.95), fused=False)
+    autocast = autocast_for(precision, device)
+    depths = model.config.num_depths
+
+    def step(batch: Any, i: int) -> list[int]:
+        metrics = forward_backward(
+            model,
+            teacher,
+            batch,
+            num_segments=1,
+            generator=torch.Generator().manual_seed(i),
+            scale=1.0,
+            autocast=autocast if precision == "bf16" else None,
+        )
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return [int(metrics[f"positions_{d}"]) for d in range(depths)]
+
+    return step, model.config, batches, precision
+
+
+def _smollm2_batch(seq_len: int, hidden: int, vocab: int, device: torch.device) -> Any:
+    from peagle_core.data.packing import PackedBatch
+
+    g = torch.Generator().manual_seed(0)
+    doc_len = 512
+    docs = torch.arange(seq_len) // doc_len
+    return PackedBatch(
+        input_ids=torch.randint(1, vocab, (1, seq_len), generator=g),
+        loss_mask=torch.ones(1, seq_len, dtype=torch.long),
+        document_ids=docs[None],
+        position_ids=(torch.arange(seq_len) % doc_len)[None],
+        hidden_states=torch.randn(1, seq_len, 3 * hidden, generator=g),
+        verifier_last_hidden_states=torch.randn(1, seq_len, hidden, generator=g),
+        num_tokens=seq_len,
+        num_loss_tokens=seq_len,
+        sample_indices=[],
+    ).to(device)
+
+
+def _smollm2_ours(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
+    from peagle_core.model.config import PEagleConfig
+    from peagle_core.model.drafter import PEagleDraftModel
+    from peagle_core.model.objective import Teacher
+
+    torch.manual_seed(0)
+    cfg = PEagleConfig(**SMOLLM2, **SMOLLM2_DRAFTER, draft_vocab_size=8192, mask_token_id=0)
+    model = PEagleDraftModel(cfg).to(device).train()
+    h = cfg.hidden_size
+    teacher = Teacher(torch.ones(h), cfg.rms_norm_eps, 0.05 * torch.randn(cfg.draft_vocab_size, h)).to(device)
+    batch = _smollm2_batch(args.seq_len, h, cfg.vocab_size, device)
+    return model, teacher, lambda _i: batch
+
+
+def _toy_ours(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
     from peagle_core.data import prepare_dataset
     from peagle_core.data.packing import pack_bins
     from peagle_core.hidden_states.build import build_cache
@@ -35,13 +233,13 @@ def main() -> None:
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.spec import parse_spec
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
-    from peagle_core.training.builders import build_model, build_optimizer, build_teacher
-    from peagle_core.training.loop import forward_backward
+    from peagle_core.training.builders import build_model, build_teacher
 
     work = Path(tempfile.mkdtemp(prefix="peagle-throughput-"))
-    verifier_dir = build_toy_verifier(args.toy_size)
-    data = write_toy_dataset(work / "corpus.jsonl", n=args.samples)
-    dataset = prepare_dataset(verifier_dir, data, work / "data", seq_len=min(args.seq_len, 1024))
+    verifier_dir = build_toy_verifier("default")
+    data = write_toy_dataset(work / "corpus.jsonl", n=400)
+    seq = min(args.seq_len, 1024)
+    dataset = prepare_dataset(verifier_dir, data, work / "data", seq_len=seq)
     verifier = Verifier.load(str(verifier_dir), device="cpu")
     fingerprint = CacheFingerprint.of(verifier, dataset)
     build_cache(
@@ -49,72 +247,96 @@ def main() -> None:
     )
     source = make_source("offline", dataset, verifier_factory=lambda: verifier, cache_dir=work / "cache",
                          fingerprint=fingerprint)  # fmt: skip
-
     spec = parse_spec(
         {
             "verifier": {"name_or_path": str(verifier_dir)},
-            "dataset": {"path": str(data), "seq_len": min(args.seq_len, 1024)},
+            "dataset": {"path": str(data), "seq_len": seq},
             "model": {"num_layers": 4, "num_depths": 4, "draft_vocab_size": None},
             "training": {"total_seq_len": args.seq_len},
         }
     )
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = build_model(spec, verifier, dataset, device).train()
     teacher = build_teacher(verifier, model)
-    optimizer = build_optimizer(model, 1e-4, 0.01)
-    generator = torch.Generator().manual_seed(0)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    cfg = model.config
-
-    bins = []
+    bins: list[list[int]] = []
     epoch = 0
     while len(bins) < args.steps + args.warmup:
         bins += pack_bins(dataset.lengths, args.seq_len, seed=0, epoch=epoch)
         epoch += 1
-    loader = iter(BatchLoader(dataset, source, bins[: args.steps + args.warmup], total_seq_len=args.seq_len))
+    batches = [b.to(device) for b in BatchLoader(dataset, source, bins[: args.steps + args.warmup],
+                                                 total_seq_len=args.seq_len)]  # fmt: skip
+    return model, teacher, lambda i: batches[i]
 
-    tokens = flops = 0
-    elapsed = 0.0
-    for i in range(args.steps + args.warmup):
-        batch = next(loader).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        metrics = forward_backward(
-            model, teacher, batch, num_segments=1, generator=generator, scale=1.0, autocast=autocast
-        )
+
+def _speculators_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
+    """speculators' PEagleDraftModel at the SmolLM2 shape, its trainer's step (bf16 autocast, backward,
+    clip, AdamW over its trainable parameters; it keeps the lm_head frozen)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from torch import _dynamo
+    from transformers import LlamaConfig
+
+    from peagle_core.model.config import PEagleConfig
+
+    if args.shape != "smollm2":
+        raise SystemExit("the speculators variant runs at --shape smollm2")
+    cfg = PEagleConfig(**SMOLLM2, **SMOLLM2_DRAFTER, draft_vocab_size=8192, mask_token_id=0)
+    layer = LlamaConfig(**cfg.to_llama_config().to_dict())
+    layer._attn_implementation = "simple_flex_attention" if device.type == "cuda" else "sdpa"
+    config = PEagleSpeculatorConfig(
+        transformer_layer_config=layer,
+        draft_vocab_size=cfg.draft_vocab_size,
+        norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=[2, 15, 27],
+        mask_token_id=0,
+        speculators_config=SpeculatorsConfig(
+            algorithm="peagle",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.num_depths)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path="smollm2-shape", architectures=["LlamaForCausalLM"]),
+        ),
+    )
+    torch.manual_seed(0)
+    model = PEagleDraftModel(config)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[: cfg.draft_vocab_size] = True
+    model.load_vocab_mappings(t2d, torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+    model = model.to(device).train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    kwargs = {
+        "num_depths": cfg.num_depths,
+        "down_sample_ratio": cfg.down_sample_ratio,
+        "down_sample_ratio_min": cfg.down_sample_ratio_min,
+        "loss_config": resolve_loss_config("kl_div", "fused" if device.type == "cuda" else "eager"),
+    }
+    keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
+            "verifier_last_hidden_states")  # fmt: skip
+    batch = _smollm2_batch(args.seq_len, cfg.hidden_size, cfg.vocab_size, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def step(b: Any, _i: int) -> list[int]:
+        with _dynamo.config.patch(assume_static_by_default=False), autocast:
+            _, loss, _metrics = model(**{k: getattr(b, k) for k in keys}, **kwargs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if i < args.warmup:
-            continue
-        positions = [int(metrics[f"positions_{d}"]) for d in range(cfg.num_depths)]
-        elapsed += dt
-        tokens += batch.num_tokens
-        flops += drafter_step_flops(cfg, args.seq_len, positions)
+        # FLOPs are counted on our rows' expectation: the same COD ratios over the same tokens.
+        return _expected_positions(args.seq_len, cfg)
 
-    peak = gemm_peak_flops() if device.type == "cpu" else float("nan")
-    achieved = flops / elapsed
-    emit(
-        metric="train_throughput",
-        device=device.type,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        num_depths=cfg.num_depths,
-        seq_len=args.seq_len,
-        steps=args.steps,
-        tokens_per_s=round(tokens / elapsed, 1),
-        step_s=round(elapsed / args.steps, 4),
-        model_tflops=round(achieved / 1e12, 4),
-        peak_tflops=round(peak / 1e12, 4),
-        mfu=round(achieved / peak, 4) if peak == peak else None,
-        threads=torch.get_num_threads(),
-    )
+    return step, cfg, lambda _i: batch
+
+
+def _expected_positions(seq_len: int, cfg: Any) -> list[int]:
+    out, ratio = [], 1.0
+    for _ in range(cfg.num_depths):
+        out.append(int(seq_len * ratio))
+        ratio = max(ratio * cfg.down_sample_ratio, cfg.down_sample_ratio_min)
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

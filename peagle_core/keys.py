@@ -90,6 +90,7 @@ def regeneration_inputs(spec: JobSpec) -> dict[str, Any]:
         "seq_len": data.seq_len,
         "fmt": data.format,
         "max_samples": data.max_samples,
+        "dtype": spec.verifier.dtype,
         "seed": spec.training.seed,
     }
 

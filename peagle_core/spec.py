@@ -167,6 +167,12 @@ class TrainingSpec(_Strict):
     total_seq_len: int = Field(default=8192, ge=16, le=1048576)
     grad_accum: int = Field(default=1, ge=1, le=1024)
     num_segments: int = Field(default=1, ge=1, le=64, description="Sequence partitioning for long contexts.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto",
+        description="Compute precision of the drafter's forward and backward: `auto` is bf16 where the device "
+        "has fast bf16 (CUDA, or a CPU with AMX-BF16 or AVX512-BF16) and fp32 elsewhere. Master weights, "
+        "optimizer state and the loss stay fp32 in every precision.",
+    )
     sharding: Literal["ddp", "fsdp"] = Field(
         default="ddp",
         description="How ranks share the drafter: `ddp` replicates it; `fsdp` shards weights, gradients and "

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.errors import PeagleError
+from peagle_core.model import precision
 from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
 
 ENGINES = ("transformers", "vllm")
@@ -52,10 +53,8 @@ class VllmHiddenStatesConfig:
 
 
 def vllm_dtype(spec_dtype: str, cuda: bool) -> str:
-    """The verifier dtype vLLM runs in: `auto` is bf16 on CUDA and fp32 on CPU (as the transformers engine)."""
-    if spec_dtype == "auto":
-        return "bfloat16" if cuda else "float32"
-    return spec_dtype
+    """The verifier dtype vLLM runs in (`peagle_core.model.precision.vllm_dtype` on this machine's device)."""
+    return precision.vllm_dtype(spec_dtype, "cuda" if cuda else "cpu")
 
 
 class VllmHiddenStates:

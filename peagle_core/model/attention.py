@@ -5,8 +5,10 @@ query is not padding (document id -1), and either (d' = 0 and a' <= a) or (a' = 
 
 Every query therefore sees a causal, in-document prefix of depth-0 keys plus at most d keys of its own
 chain. The CPU path exploits that: a chunked, memory-efficient attention over the depth-0 prefix (no
-N x N tensor, float or bool) merged by log-sum-exp with a tiny per-chain term. CUDA uses FlexAttention
-with a block mask built from the same rule; `parallel_group_mask` is the dense reference.
+N x N tensor, float or bool) merged by log-sum-exp with a tiny per-chain term. `fused` (CPU default)
+runs each chunk through ATen's CPU flash-attention kernel, forward and backward; `chunked` is the same
+computation in plain PyTorch ops. CUDA uses FlexAttention with a block mask built from the same rule;
+`parallel_group_mask` is the dense reference.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-Backend = Literal["auto", "chunked", "flex", "dense"]
+from peagle_core.model.precision import has_amx
+
+Backend = Literal["auto", "fused", "chunked", "flex", "dense"]
 log = logging.getLogger(__name__)
 
 # Bytes of attention scores one chunk may hold (fp32): bounds transient memory independent of length.
@@ -280,8 +284,90 @@ def _chunk_probs(qc, kc, lo, hi, k0, scale):
     return p, lse
 
 
+class _FusedPrefixAttention(torch.autograd.Function):
+    """`_PrefixAttention` on ATen's CPU flash-attention kernel: one fused call per chunk, forward and
+    backward, in the inputs' dtype (bf16 under autocast) with fp32 accumulation and log-sum-exp.
+
+    The kernel's backward has no input for the gradient of lse. It enters as one extra head dimension:
+    with q, k, v padded by a zero column, grad_out by a column of ones and out by a column of -grad_lse,
+    the kernel's delta = rowsum(grad_out * out) becomes delta - grad_lse, which is the whole effect of
+    lse's gradient (d lse / d s_ij = p_ij); the padded columns of the results are dropped.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_lo, key_hi, chunks, scale):
+        hkv, g, _, dh = q.shape
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kernel_lse = torch.zeros_like(lse)  # as the kernel returned it (0 on rows that see nothing)
+        for r0, r1, k0, k1 in chunks:
+            if k1 <= k0:
+                continue
+            mask = _chunk_bias(key_lo[r0:r1], key_hi[r0:r1], k0, k1, q.dtype)
+            kc = k[:, None, k0:k1].expand(hkv, g, k1 - k0, dh)
+            vc = v[:, None, k0:k1].expand(hkv, g, k1 - k0, dh)
+            o, lse_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, r0:r1], kc, vc, attn_mask=mask, scale=scale
+            )
+            out[:, :, r0:r1] = o
+            kernel_lse[:, :, r0:r1] = lse_c
+            seen = (key_hi[r0:r1] >= key_lo[r0:r1])[None, None]
+            lse[:, :, r0:r1] = torch.where(seen, lse_c, float("-inf"))
+        # Masks are rebuilt in the backward: saving them would hold O(N x span) memory.
+        ctx.save_for_backward(q, k, v, out, kernel_lse, key_lo, key_hi)
+        ctx.chunks, ctx.scale = chunks, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, kernel_lse, key_lo, key_hi = ctx.saved_tensors
+        hkv, g, _, dh = q.shape
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if grad_lse is None:
+            grad_lse = torch.zeros_like(kernel_lse)
+        dtype = q.dtype
+        q_pad = _pad_last(q, 0.0)
+        go_pad = _pad_last(grad_out.to(dtype), 1.0)
+        out_pad = torch.cat([out, (-grad_lse).to(dtype)[..., None]], dim=-1)
+        k_pad, v_pad = _pad_last(k, 0.0), _pad_last(v, 0.0)
+        for r0, r1, k0, k1 in ctx.chunks:
+            if k1 <= k0:
+                continue
+            mask = _chunk_bias(key_lo[r0:r1], key_hi[r0:r1], k0, k1, dtype)
+            kc = k_pad[:, None, k0:k1].expand(hkv, g, k1 - k0, dh + 1)
+            vc = v_pad[:, None, k0:k1].expand(hkv, g, k1 - k0, dh + 1)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                go_pad[:, :, r0:r1],
+                q_pad[:, :, r0:r1],
+                kc,
+                vc,
+                out_pad[:, :, r0:r1],
+                kernel_lse[:, :, r0:r1],
+                0.0,
+                False,
+                attn_mask=mask,
+                scale=ctx.scale,
+            )
+            dq[:, :, r0:r1] = gq[..., :dh]
+            dk[:, k0:k1] += gk[..., :dh].sum(1)
+            dv[:, k0:k1] += gv[..., :dh].sum(1)
+        return dq, dk, dv, None, None, None, None
+
+
+def _pad_last(x: torch.Tensor, value: float) -> torch.Tensor:
+    return torch.cat([x, x.new_full((*x.shape[:-1], 1), value)], dim=-1)
+
+
+def _chunk_bias(lo: torch.Tensor, hi: torch.Tensor, k0: int, k1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [1, 1, rows, k1 - k0]: 0 where key k0 + j lies in the row's [lo, hi], else -inf."""
+    keys = torch.arange(k0, k1, device=lo.device)
+    visible = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
+    bias = torch.zeros(visible.shape, dtype=dtype, device=lo.device)
+    return bias.masked_fill_(~visible, float("-inf"))[None, None]
+
+
 def _chunked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: AttentionLayout, fused: bool = False
 ) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
@@ -292,7 +378,16 @@ def _chunked_attention(
     q_g = q.view(n, num_kv, group, head_dim).permute(1, 2, 0, 3)  # [hkv, g, N, dh]
     k0 = k[:p].transpose(0, 1)  # [hkv, P, dh]
     v0 = v[:p].transpose(0, 1)
-    out, lse = _PrefixAttention.apply(q_g, k0, v0, layout.key_lo, layout.key_hi, layout.chunks, scale)
+    if fused:
+        # bf16's flash kernel only beats fp32 with AMX (measured: without it, equal forward and a
+        # slower backward), so elsewhere the kernel runs on fp32 copies of q, k, v (O(N) memory).
+        dtype = q.dtype if q.dtype == torch.float32 or has_amx(q.device) else torch.float32
+        out, lse = _FusedPrefixAttention.apply(
+            q_g.to(dtype), k0.to(dtype), v0.to(dtype), layout.key_lo, layout.key_hi, layout.chunks, scale
+        )
+        out = out.to(q.dtype)
+    else:
+        out, lse = _PrefixAttention.apply(q_g, k0, v0, layout.key_lo, layout.key_hi, layout.chunks, scale)
     out = out.permute(2, 0, 1, 3)  # [N, hkv, g, dh]
     if n == p:
         return out.reshape(n, num_heads, head_dim)
@@ -367,13 +462,16 @@ def parallel_group_attention(
 ) -> torch.Tensor:
     """Attention of rows q [N, h, dh] over k, v [N, hkv, dh] under the parallel-group rule.
 
-    `auto` picks FlexAttention on CUDA and the chunked kernel elsewhere; `dense` (SDPA with the full
-    boolean mask) is the reference. Padding queries get zeros.
+    `auto` picks FlexAttention on CUDA and the fused flash kernel elsewhere; `chunked` is the fused
+    kernel's computation in plain ops; `dense` (SDPA with the full boolean mask) is the reference.
+    Padding queries get zeros.
     """
     if not isinstance(layout, AttentionLayout):
         return layout.attend(q, k, v)
     if backend == "auto":
-        backend = "flex" if q.is_cuda else "chunked"
+        backend = "flex" if q.is_cuda else "fused"
+    if backend == "fused":
+        return _chunked_attention(q, k, v, layout, fused=True)
     if backend == "flex":
         return _flex_attention(q, k, v, layout)
     if backend == "dense":

@@ -3,14 +3,26 @@
 Neither the drafter's nor the teacher's [N, V] logits are ever held whole: each chunk of rows computes
 both distributions, the loss and its gradients (w.r.t. the hidden rows and the lm_head weight), then
 drops the logits. Teacher logits are computed once per distinct target position, not once per row.
+
+Per chunk, everything between the matmuls (softmax statistics, KL, argmax, the logits' gradient) is two
+row-wise kernels over the [rows, V] logits. On CPU they are compiled (TorchInductor fuses each into one
+or two passes over the logits; eager PyTorch makes about a dozen, which cost as much as the matmuls);
+the same functions run eagerly where compiling is off or fails. The matmuls run in `compute_dtype`
+(bf16 under autocast); statistics, the loss and the gradient accumulators are fp32.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # Bytes of one [rows, V] fp32 buffer per chunk; a chunk holds a handful of these.
 _CHUNK_LOGIT_BYTES = 32 * 2**20
@@ -26,10 +38,86 @@ class KLResult:
     correct: torch.Tensor
 
 
+def teacher_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher rows [u, V] -> (p fp32 [u, V], sum_v p log p [u], argmax [u])."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    return p, (p * logp).sum(-1), logp.argmax(-1)
+
+
+def draft_stats(
+    logits: torch.Tensor,
+    p: torch.Tensor,
+    neg_entropy: torch.Tensor,
+    inverse: torch.Tensor,
+    row_weight: torch.Tensor,
+    grad_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drafter rows [c, V] against teacher rows `p[inverse]` -> (KL [c], argmax [c], the weighted
+    gradient of the loss w.r.t. the logits, row_weight * (softmax(logits) - p), in `grad_dtype`)."""
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    pe = p[inverse]
+    kl = neg_entropy[inverse] - (pe * logq).sum(-1)
+    grad = ((logq.exp() - pe) * row_weight[:, None]).to(grad_dtype)
+    return kl, logq.argmax(-1), grad
+
+
+Kernels = tuple[Callable[..., tuple[torch.Tensor, ...]], Callable[..., tuple[torch.Tensor, ...]]]
+_compile_failed = False
+
+
+def compile_enabled() -> bool:
+    """Compiled loss kernels unless PEAGLE_COMPILE=0 (debugging, or a machine without a C++ compiler)."""
+    return os.environ.get("PEAGLE_COMPILE", "1") != "0" and not _compile_failed
+
+
+@cache
+def _compiled_kernels() -> Kernels:
+    # dynamic: one graph for every chunk and teacher-row count, and every vocabulary size
+    return torch.compile(teacher_stats, dynamic=True), torch.compile(draft_stats, dynamic=True)
+
+
+def loss_kernels(device: torch.device) -> Kernels:
+    """The row kernels for `device`: compiled on CPU (see the module docstring), eager elsewhere.
+
+    CUDA keeps eager kernels: its chunks are bandwidth-cheap next to its matmuls, and a compiled
+    variant there has not been measured on a GPU yet.
+    """
+    if device.type == "cpu" and compile_enabled():
+        return _compiled_kernels()
+    return teacher_stats, draft_stats
+
+
+def _run_kernel(kernels: Kernels, index: int, *args: object) -> tuple[torch.Tensor, ...]:
+    """Call a compiled kernel, falling back to eager for good (logged once) if compiling fails."""
+    global _compile_failed
+    try:
+        return kernels[index](*args)
+    except Exception:
+        if kernels[index] in (teacher_stats, draft_stats):
+            raise
+        log.warning("compiling the loss kernels failed; using eager kernels", exc_info=True)
+        _compile_failed = True
+        return (teacher_stats, draft_stats)[index](*args)
+
+
 class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, target_index, row_weight, chunk_rows):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        teacher_hidden,
+        teacher_weight,
+        target_index,
+        row_weight,
+        chunk_rows,
+        compute_dtype,
+    ):
         n = hidden.shape[0]
+        kernels = loss_kernels(hidden.device)
+        w = weight.detach().to(compute_dtype)
+        tw = teacher_weight.detach().to(compute_dtype)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         kl = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -39,20 +127,18 @@ class _FusedLinearKL(torch.autograd.Function):
         for c0 in range(0, n, chunk_rows):
             rows = order[c0 : c0 + chunk_rows]
             uniq, inverse = torch.unique_consecutive(target_index[rows], return_inverse=True)
-            with torch.no_grad():
-                teacher_logp = F.log_softmax((teacher_hidden[uniq] @ teacher_weight.T).float(), dim=-1)
-            teacher_logp = teacher_logp[inverse]
-            h = hidden[rows]
-            logits = (h @ weight.T).float()
-            logq = F.log_softmax(logits, dim=-1)
-            p = teacher_logp.exp()
-            kl[rows] = (p * (teacher_logp - logq)).sum(-1)
-            correct[rows] = logits.argmax(-1) == teacher_logp.argmax(-1)
-            grad_logits = (logq.exp() - p) * row_weight[rows, None]
-            # Under autocast the matmul comes back in bf16; the accumulators stay fp32.
-            grad_hidden[rows] = (grad_logits @ weight.float()).to(grad_hidden.dtype)
+            p, neg_entropy, teacher_argmax = _run_kernel(
+                kernels, 0, teacher_hidden[uniq].detach().to(compute_dtype) @ tw.T
+            )
+            h = hidden[rows].detach().to(compute_dtype)
+            kl_c, argmax_c, grad_logits = _run_kernel(
+                kernels, 1, h @ w.T, p, neg_entropy, inverse, row_weight[rows], compute_dtype
+            )
+            kl[rows] = kl_c
+            correct[rows] = argmax_c == teacher_argmax[inverse]
+            grad_hidden[rows] = (grad_logits @ w).float()
             if grad_weight is not None:
-                grad_weight += grad_logits.T @ h.float()
+                grad_weight += (grad_logits.T @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(kl, correct)
@@ -65,7 +151,7 @@ class _FusedLinearKL(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         gh = (grad_hidden * grad_loss).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_loss).to(weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def fused_kl_loss(
@@ -82,12 +168,25 @@ def fused_kl_loss(
     teacher_hidden [T, H]: verifier last hidden states after the verifier's final norm;
     teacher_weight [Vd, H]: the verifier lm_head restricted to the draft vocabulary;
     target_index [n]: which teacher row each drafter row is compared with; row_weight [n].
+    The matmuls run in the autocast dtype when autocast is on for the rows' device, else in fp32.
     """
     vocab = lm_head_weight.shape[0]
     chunk_rows = max(16, _CHUNK_LOGIT_BYTES // (4 * vocab))
-    loss, kl, correct = _FusedLinearKL.apply(
-        hidden, lm_head_weight, teacher_hidden, teacher_weight, target_index, row_weight.float(), chunk_rows
+    device_type = hidden.device.type
+    compute_dtype = (
+        torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
     )
+    with torch.autocast(device_type, enabled=False):
+        loss, kl, correct = _FusedLinearKL.apply(
+            hidden,
+            lm_head_weight,
+            teacher_hidden,
+            teacher_weight,
+            target_index,
+            row_weight.float(),
+            chunk_rows,
+            compute_dtype,
+        )
     return KLResult(loss=loss, kl=kl, correct=correct)
 
 

@@ -97,10 +97,10 @@ class VllmGenerator:
     """vLLM's offline batched generation in its child process (`peagle_core.vllm_engine`)."""
 
     def __init__(self, engine: VllmEngine, verifier: str, stops: list[int], *, temperature: float,
-                 seed: int, seq_len: int, trust_remote_code: bool = False):  # fmt: skip
+                 seed: int, seq_len: int, trust_remote_code: bool = False, dtype: str = "float32"):  # fmt: skip
         self.engine, self.verifier, self.stops = engine, verifier, stops
         self.temperature, self.seed, self.seq_len = temperature, seed, seq_len
-        self.trust_remote_code = trust_remote_code
+        self.trust_remote_code, self.dtype = trust_remote_code, dtype
 
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
         run = self.engine.sample(
@@ -110,6 +110,7 @@ class VllmGenerator:
             temperature=self.temperature,
             stop_token_ids=self.stops,
             seed=self.seed,
+            dtype=self.dtype,
             trust_remote_code=self.trust_remote_code,
         )
         stops = set(self.stops)
@@ -131,14 +132,19 @@ def open_generator(
     revision: str | None = None,
     trust_remote_code: bool = False,
     vllm_engine: VllmEngine | None = None,
+    dtype: str = "auto",
 ) -> tuple[Any, Generator, Callable[[], None]]:
     """(tokenizer, generator, close) for `engine`; a vLLM engine is started unless `vllm_engine` is given
-    (then `close` leaves it running)."""
+    (then `close` leaves it running). `dtype` is the verifier's (`verifier.dtype`): vLLM resolves `auto`
+    by `peagle_core.model.precision.vllm_dtype`, transformers as `Verifier.load` does."""
     if engine == "vllm":
+        import torch
         from transformers import AutoTokenizer, GenerationConfig
 
+        from peagle_core.model.precision import vllm_dtype
         from peagle_core.vllm_engine import VllmEngine
 
+        cuda = torch.cuda.is_available()  # where vLLM's child runs the verifier
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 verifier, revision=revision, trust_remote_code=trust_remote_code
@@ -153,12 +159,12 @@ def open_generator(
         stops = stop_token_ids(tokenizer, gen_config)
         gen = VllmGenerator(
             running, verifier, stops, temperature=temperature, seed=seed, seq_len=seq_len,
-            trust_remote_code=trust_remote_code,
+            trust_remote_code=trust_remote_code, dtype=vllm_dtype(dtype, "cuda" if cuda else "cpu"),
         )  # fmt: skip
         return tokenizer, gen, close
     from peagle_core.hidden_states.verifier import Verifier
 
-    v = Verifier.load(verifier, revision=revision, trust_remote_code=trust_remote_code)
+    v = Verifier.load(verifier, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype)
     stops = stop_token_ids(v.tokenizer, getattr(v.model, "generation_config", None))
     gen = TransformersGenerator(
         v.model, v.tokenizer, stops, temperature=temperature, seed=seed, batch_size=batch_size

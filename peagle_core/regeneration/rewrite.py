@@ -43,6 +43,7 @@ class RegenParams:
     fmt: str = "auto"
     max_samples: int | None = None
     seed: int = 0
+    dtype: str = "auto"  # the verifier's (`verifier.dtype`); vLLM's `auto` is bf16 where bf16 is fast
 
 
 @dataclass
@@ -289,6 +290,7 @@ def regenerate(
             revision=revision,
             trust_remote_code=trust_remote_code,
             vllm_engine=vllm_engine,
+            dtype=params.dtype,
         )
         try:
             for s in range(0, len(todo), batch_size):

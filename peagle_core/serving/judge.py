@@ -71,15 +71,18 @@ def resolve_engines(spec: JobSpec, *, available: bool | None = None) -> Engines:
     return Engines(ours=engine in ("peagle", "both"), vllm=engine in ("vllm", "both"), gate_off_reason=off)
 
 
-def engine_options(device: torch.device) -> dict[str, Any]:
-    """vLLM settings for the verifier on `device`: fp32 on the CPU (bf16 is ~100x slower there), bf16 on
-    CUDA with a memory share that leaves the training process what it already holds."""
+def engine_options(device: torch.device, dtype: str = "auto") -> dict[str, Any]:
+    """vLLM settings for the judge's verifier on `device`, in `dtype` (`verifier.dtype`). `auto` is fp32 on
+    a CPU: the judge's publish gate checks that spec decoding is lossless, token for token, and bf16 on a
+    CPU changes vLLM's numerics between batch shapes, so only fp32 checks the drafter rather than the
+    rounding. `auto` is bf16 on CUDA, with a memory share that leaves the training process what it holds."""
     if device.type != "cuda":
-        return {"dtype": "float32"}
+        return {"dtype": "float32" if dtype == "auto" else dtype}
     import torch
 
     free, total = torch.cuda.mem_get_info(device)
-    return {"dtype": "bfloat16", "gpu_memory_utilization": max(0.05, round(0.8 * free / total, 3))}
+    share = max(0.05, round(0.8 * free / total, 3))
+    return {"dtype": "bfloat16" if dtype == "auto" else dtype, "gpu_memory_utilization": share}
 
 
 class VllmJudge:

@@ -31,6 +31,7 @@ from peagle_core.io import atomic_write_json
 from peagle_core.model.drafter import PEagleDraftModel
 from peagle_core.model.objective import Teacher
 from peagle_core.model.partition import partitioned_backward
+from peagle_core.model.precision import resolve_precision
 from peagle_core.serving.categories import category_groups, eval_categories_figures, pool_eval
 from peagle_core.serving.export import export_checkpoint
 from peagle_core.serving.gate import Acceptance, ServingCheck
@@ -56,6 +57,7 @@ from peagle_core.training.builders import (
     global_batch_bins,
     load_verifier,
 )
+from peagle_core.training.cpu_runtime import keep_freed_memory
 from peagle_core.training.result import PipelineResult
 from peagle_core.training.resume import (
     DataPosition,
@@ -116,7 +118,8 @@ class Trainer:
     teacher: Teacher
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    autocast: Any  # bf16 autocast on CUDA, None on CPU (fp32)
+    autocast: Any  # bf16 autocast under `training.precision` bf16, None for fp32
+    precision: str  # what `training.precision` resolved to on this device
     total_steps: int
     prompts: list[torch.Tensor]
     ckpt_root: Path  # training checkpoints (the export goes to out_dir/export)
@@ -264,6 +267,8 @@ def setup(
     under `out_dir` when `resume` finds one."""
     tc = spec.training
     device = dist_utils.device_for(info)
+    if device.type == "cpu":
+        keep_freed_memory()
     dataset = PreparedDataset.open(dataset_dir)  # the pipeline's prepare stage made it
     train_idx, val_idx = dataset.split(spec.dataset.val_fraction, tc.seed)
     if not train_idx:
@@ -278,7 +283,11 @@ def setup(
     torch.manual_seed(tc.seed)
     model = build_model(spec, verifier, dataset, device)
     teacher = build_teacher(verifier, model)
-    train_module = sharding.wrap(model, tc.sharding, info, device)
+    precision = resolve_precision(tc.precision, device)
+    hooks.event(
+        "precision", f"training in {precision} (training.precision: {tc.precision})", precision=precision
+    )
+    train_module = sharding.wrap(model, tc.sharding, info, device, precision=precision)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay)  # after sharding: FSDP's are the shards
     total_steps = count_steps(spec, train_idx, list(dataset.lengths))
     scheduler = build_scheduler(
@@ -321,7 +330,8 @@ def setup(
         teacher=teacher,
         optimizer=optimizer,
         scheduler=scheduler,
-        autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
+        autocast=torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else None,
+        precision=precision,
         total_steps=total_steps,
         prompts=prompts,
         ckpt_root=ckpt_root,

@@ -16,7 +16,9 @@ from peagle_core.model.drafter import PEagleDraftModel
 from peagle_core.training.distributed import DistInfo
 
 
-def wrap(model: PEagleDraftModel, sharding: str, info: DistInfo, device: torch.device) -> torch.nn.Module:
+def wrap(
+    model: PEagleDraftModel, sharding: str, info: DistInfo, device: torch.device, precision: str = "fp32"
+) -> torch.nn.Module:
     """The module training runs forward/backward through: `model` itself on one rank, its DDP wrapper, or
     `model` sharded in place by FSDP2 (each decoder layer, then the root with the embeddings, `fc`, norm
     and lm_head). Build the optimizer after this: under FSDP its parameters are the shards."""
@@ -25,10 +27,11 @@ def wrap(model: PEagleDraftModel, sharding: str, info: DistInfo, device: torch.d
     if sharding == "ddp":
         return DistributedDataParallel(model)
     mesh = init_device_mesh(device.type, (info.world_size,))
-    # bf16 compute with fp32 gradient reduction on CUDA, as autocast does for DDP; CPU trains in fp32.
+    # CUDA: bf16 compute with fp32 gradient reduction, as autocast does for DDP. A CPU keeps fp32 shards
+    # and leaves bf16 to autocast, so that FSDP steps equal single-rank and DDP ones there.
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device.type == "cuda"
+        if precision == "bf16" and device.type == "cuda"
         else MixedPrecisionPolicy()
     )
     for layer in model.layers:

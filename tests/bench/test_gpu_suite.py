@@ -70,6 +70,10 @@ def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
     assert hybrid["epoch0"]["cache_misses"] > 0 and hybrid["epoch0"]["cache_hits"] == 0
     assert hybrid["epoch1"]["cache_hits"] == hybrid["epoch0"]["cache_misses"]
     assert hybrid["epoch1"]["verifier_calls"] == 0
+    throughput = checks["train_throughput"]  # bench/train_throughput.py's new path, two short steps
+    assert throughput["status"] == "ok", throughput
+    (figure,) = throughput["figures"]
+    assert figure["variant"] == "new" and figure["shape"] == "smollm2" and figure["tokens_per_s"] > 0
     for seq in (64, 128):  # speculators' step on the same rows, as a ratio of ours (where it is installed)
         side = checks[f"speculators_step@{seq}"]
         if importlib.util.find_spec("speculators") is None:

@@ -4,7 +4,8 @@ Two drafters cover the shapes the serving tests need: full vocabulary with four 
 `norm_before_residual` (K = 1..4), and a reduced draft vocabulary with one layer and without it (K = 1..3).
 The second trains longer on a larger slice of the toy corpus (600 conversations; on the suite's 64 its
 acceptance length on the serving prompts was 1.14 at K=3, on 600 1.59), so that the comparison of our
-figure with vLLM's, and the gate's collapse check, mean something.
+figure with vLLM's, and the gate's collapse check, mean something. It trains in bf16
+(`training.precision: bf16`), the first in fp32, so the publish gate's tests load a bf16-trained drafter.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ class Shape:
     norm_before_residual: bool
     steps: int
     conversations: int  # of the toy corpus it trains on
+    precision: str  # training.precision
 
 
 SHAPES = (
-    Shape("full-vocab-4-layers", 4, 4, None, True, 20, 64),
-    Shape("draft-vocab-1-layer", 1, 3, 256, False, 200, 600),
+    Shape("full-vocab-4-layers", 4, 4, None, True, 20, 64, "fp32"),
+    Shape("draft-vocab-1-layer", 1, 3, 256, False, 200, 600, "bf16"),
 )
 
 
@@ -52,7 +54,12 @@ def exported_drafters(
                 tmp_path_factory.mktemp("serving_data") / "toy.jsonl", n=shape.conversations, seed=0
             )
         raw = make_spec(
-            toy_verifier_dir, data, max_steps=shape.steps, checkpoint_every_steps=1000, lr=3e-3
+            toy_verifier_dir,
+            data,
+            max_steps=shape.steps,
+            checkpoint_every_steps=1000,
+            lr=3e-3,
+            precision=shape.precision,
         ).model_dump(mode="json", exclude_unset=True)
         raw["model"] |= {
             "num_layers": shape.num_layers,

@@ -158,7 +158,10 @@ def test_a_verified_export_records_the_check_beside_the_weights(
 ) -> None:
     from peagle_core.model.drafter import PEagleDraftModel
     from peagle_core.serving.export import export_checkpoint
+    from tests.serving.conftest import SHAPES
 
+    # The bf16-trained drafter (training.precision: bf16) passes the gate like an fp32-trained one.
+    assert {s.name: s.precision for s in SHAPES}["draft-vocab-1-layer"] == "bf16"
     model = PEagleDraftModel.from_pretrained(exported_drafters["draft-vocab-1-layer"])
     ours = Acceptance.of(ours_at_3.to_dict())
 

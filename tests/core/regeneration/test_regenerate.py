@@ -199,7 +199,8 @@ def test_vllm_and_transformers_write_the_same_text_at_temperature_0(
     vllm_engine, toy_verifier_dir: Path, chat_data: Path, reference: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "vllm.jsonl"
-    params = RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128, engine="vllm")
+    # fp32 in both engines: equal text needs equal numerics (vLLM's `auto` is bf16 where bf16 is fast)
+    params = RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128, engine="vllm", dtype="float32")
     report = regenerate(str(toy_verifier_dir), chat_data, out, params, vllm_engine=vllm_engine)
     assert report.turns > 0 and report.generated_tokens > 0
     assert out.read_text() == reference.read_text()

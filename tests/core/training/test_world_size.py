@@ -118,6 +118,9 @@ def test_a_two_rank_fsdp_run_resumes_on_one_and_on_three_ranks(
         grad_accum=2,
         checkpoint_every_steps=1000,
         eval_every_steps=STOP_AFTER,
+        # fp32: in bf16 a 1e-7 difference in the ranks' reduction order flips a bf16 rounding now and
+        # then, and the runs drift apart by more than these tolerances; the invariance is the algorithm's.
+        precision="fp32",
     )
     spec.resources.gpus = 2
     spec.evaluation.prompts = 1

@@ -1,0 +1,160 @@
+"""The CPU fast path against its references: the fused flash-attention kernel against dense attention
+(forward and gradients, on every layout training builds), and the compiled loss kernels against the
+unfused loss (forward and gradients), in fp32 and under bf16 autocast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peagle_core.model import loss as loss_module
+from peagle_core.model.attention import AttentionLayout, parallel_group_attention
+from peagle_core.model.cod import sample_cod_indices
+from peagle_core.model.loss import fused_kl_loss, reference_kl_loss
+from peagle_core.model.objective import segment_rows
+
+
+def _cod_layout(docs: torch.Tensor, depths: int, seed: int, ratio: float = 0.8) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(docs.numel(), generator=g) < 0.75).long() * (docs >= 0)
+    anchor, depth = sample_cod_indices(docs.numel(), mask, depths, ratio, 0.3, generator=g, document_ids=docs)
+    return anchor, depth, docs
+
+
+def _documents(*lengths: int, pad: int = 0) -> torch.Tensor:
+    parts = [torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), -1)]
+    return torch.cat(parts)
+
+
+LAYOUTS = {
+    # one document, depth 0 only: plain causal attention
+    "causal": lambda: (torch.arange(40), torch.zeros(40, dtype=torch.long), _documents(40)),
+    # packed documents of mixed lengths with trailing padding, COD chains to depth 5
+    "packed_cod": lambda: _cod_layout(_documents(17, 9, 33, 5, pad=6), depths=5, seed=1),
+    # long COD chains in few documents (many deep rows per anchor)
+    "deep_chains": lambda: _cod_layout(_documents(70, 50), depths=8, seed=2, ratio=0.95),
+}
+
+
+def _segment(case: tuple[torch.Tensor, ...], s: int, num_segments: int) -> tuple[torch.Tensor, ...]:
+    anchor, depth, docs = case
+    seg_anchor, seg_depth = segment_rows((anchor, depth), docs, s, num_segments)
+    return seg_anchor, seg_depth, docs
+
+
+def _attention_grads(layout: AttentionLayout, backend: str, dtype: torch.dtype, seed: int = 0):
+    n = layout.anchor_pos.numel()
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, 6, 16, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(n, 2, 16, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(n, 2, 16, generator=g).to(dtype).requires_grad_()
+    probe = torch.randn(n, 6, 16, generator=g)
+    out = parallel_group_attention(q, k, v, layout, backend)
+    grads = torch.autograd.grad((out.float() * probe).sum(), (q, k, v))
+    return [out.float(), *(x.float() for x in grads)]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("segment", [None, (0, 2), (1, 2), (2, 3)], ids=["whole", "s0of2", "s1of2", "s2of3"])
+def test_fused_attention_equals_dense_forward_and_gradients(
+    name: str, segment: tuple[int, int] | None
+) -> None:
+    case = LAYOUTS[name]()
+    if segment is not None:
+        case = _segment(case, *segment)
+    layout = AttentionLayout.build(*case, num_heads=6)
+    fused = _attention_grads(layout, "fused", torch.float32)
+    dense = _attention_grads(layout, "dense", torch.float32)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), fused, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5, msg=what)
+
+
+def test_fused_attention_with_many_small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import peagle_core.model.attention as attention
+
+    monkeypatch.setattr(attention, "_CHUNK_SCORE_BYTES", 512)  # chunks split every depth group
+    layout = AttentionLayout.build(*LAYOUTS["packed_cod"](), num_heads=6)
+    assert len(layout.chunks) > len(layout.depth.unique())
+    for a, b in zip(
+        _attention_grads(layout, "fused", torch.float32),
+        _attention_grads(layout, "dense", torch.float32),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_fused_attention_in_bf16_tracks_fp32_dense() -> None:
+    # bf16 inputs (what autocast hands the kernel): errors of bf16 rounding, not of the algorithm.
+    layout = AttentionLayout.build(*LAYOUTS["packed_cod"](), num_heads=6)
+    fused = _attention_grads(layout, "fused", torch.bfloat16)
+    dense = _attention_grads(layout, "dense", torch.float32)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), fused, dense, strict=True):
+        cos = torch.nn.functional.cosine_similarity(a.detach().flatten(), b.detach().flatten(), dim=0)
+        assert float(cos) > 0.999, what
+
+
+def test_padding_rows_get_zeros_and_no_gradient() -> None:
+    layout = AttentionLayout.build(*LAYOUTS["packed_cod"](), num_heads=6)
+    out, dq, _, _ = _attention_grads(layout, "fused", torch.float32)
+    pad = layout.row_doc < 0
+    assert bool(pad.any())
+    assert bool((out[pad] == 0).all()) and bool((dq[pad] == 0).all())
+
+
+# ------------------------------------------------------------------------------------------------ loss
+
+
+def _loss_case(n: int = 300, targets: int = 90, hidden: int = 24, vocab: int = 1000, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).requires_grad_()
+    w = (0.3 * torch.randn(vocab, hidden, generator=g)).requires_grad_()
+    th, tw = torch.randn(targets, hidden, generator=g), 0.3 * torch.randn(vocab, hidden, generator=g)
+    # repeated targets, as every depth of a chain shares its anchor's next positions
+    target = torch.randint(0, targets, (n,), generator=g)
+    row_w = torch.rand(n, generator=g)
+    return h, w, th, tw, target, row_w
+
+
+@pytest.fixture(params=["compiled", "eager"])
+def loss_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("PEAGLE_COMPILE", "1" if request.param == "compiled" else "0")
+    monkeypatch.setattr(loss_module, "_CHUNK_LOGIT_BYTES", 4 * 1000 * 64)  # 64-row chunks: several per call
+    return request.param
+
+
+def test_fused_loss_equals_reference_forward_and_gradients(loss_kernels: str) -> None:
+    h, w, th, tw, target, row_w = _loss_case()
+    got = fused_kl_loss(h, w, th, tw, target, row_w)
+    want = reference_kl_loss(h, w, th, tw, target, row_w)
+    torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-5)
+    g_got = torch.autograd.grad(got.loss * 3.0, (h, w))
+    g_want = torch.autograd.grad(want * 3.0, (h, w))
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # per-row KL and accuracy against a direct computation
+    logq = torch.log_softmax(h.detach() @ w.detach().T, -1)
+    logp = torch.log_softmax(th[target] @ tw.T, -1)
+    torch.testing.assert_close(got.kl, (logp.exp() * (logp - logq)).sum(-1), rtol=1e-4, atol=1e-5)
+    assert torch.equal(got.correct, logq.argmax(-1) == logp.argmax(-1))
+
+
+def test_fused_loss_under_bf16_autocast_tracks_fp32(loss_kernels: str) -> None:
+    h, w, th, tw, target, row_w = _loss_case(seed=1)
+    want = reference_kl_loss(h, w, th, tw, target, row_w)
+    g_want = torch.autograd.grad(want, (h, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_kl_loss(h, w, th, tw, target, row_w)
+    g_got = torch.autograd.grad(got.loss, (h, w))
+    torch.testing.assert_close(got.loss, want, rtol=0.02, atol=0.01)
+    for a, b in zip(g_got, g_want, strict=True):
+        assert a.dtype == torch.float32  # gradients of the fp32 master tensors stay fp32
+        assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.995
+
+
+def test_fused_loss_without_lm_head_gradient(loss_kernels: str) -> None:
+    h, w, th, tw, target, row_w = _loss_case(seed=2)
+    frozen = w.detach()
+    got = fused_kl_loss(h, frozen, th, tw, target, row_w)
+    (g,) = torch.autograd.grad(got.loss, (h,))
+    (g_want,) = torch.autograd.grad(reference_kl_loss(h, frozen, th, tw, target, row_w), (h,))
+    torch.testing.assert_close(g, g_want, rtol=1e-5, atol=1e-6)
