@@ -412,7 +412,7 @@ def train_throughput(ctx: Context, cap_s: float) -> dict[str, Any]:
     """bench/train_throughput.py at SmolLM2's drafter shape in a child process: today's path (fp32, plain
     attention, eager loss) beside the new one and speculators'. The CPU dry run times two steps of the new
     path on a short row."""
-    if ctx.dry:
+    if ctx.dry_run:
         args = ["--variants", "new", "--steps", "1", "--warmup", "1", "--seq-len", "512"]
     else:
         args = ["--steps", "10", "--warmup", "3"]
@@ -507,6 +507,7 @@ def make_trainer(
 ) -> Any:
     """peagle_core's `Trainer` around an already-built verifier and source (what `train.setup` builds
     from a spec, minus loading the verifier from disk and resuming)."""
+    from peagle_core.model.objective import Objective
     from peagle_core.training.builders import build_model, build_optimizer, build_teacher
     from peagle_core.training.distributed import DistInfo
     from peagle_core.training.loop import Hooks, Trainer
@@ -531,6 +532,7 @@ def make_trainer(
         model=model,
         train_module=model,
         teacher=build_teacher(verifier, model),
+        objective=Objective(tc.depth_weights, tc.tv_weight),
         optimizer=optimizer,
         scheduler=scheduler,
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,

@@ -48,6 +48,7 @@ def recipe(
             "draft_vocab_size": args.draft_vocab,
             "down_sample_ratio": args.cod_ratio,
             "down_sample_ratio_min": args.cod_min,
+            "freeze_lm_head": args.freeze_lm_head,
         },
         "training": {
             "epochs": args.epochs,
@@ -56,6 +57,11 @@ def recipe(
             "warmup_ratio": 0.03,
             "total_seq_len": args.total_seq_len,
             "checkpoint_every_steps": 100,
+            "precision": args.precision,
+            "optimizer": args.optimizer,
+            "depth_weights": depth_weights(args.depth_weights),
+            "tv_weight": args.tv_weight,
+            "in_vocab_targets_only": args.in_vocab_only,
         },
         "evaluation": {"prompts": eval_prompts, "max_new_tokens": args.new_tokens, "engine": "both"},
         "export": {"dtype": "fp32", "vllm_check": True},
@@ -75,6 +81,17 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cod-min", type=float, default=0.2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    p.add_argument("--depth-weights", default="equal", help="count, equal or w0/w1/...")
+    p.add_argument("--tv-weight", type=float, default=0.0)
+    p.add_argument("--in-vocab-only", type=int, default=0, choices=[0, 1])
+    p.add_argument("--freeze-lm-head", type=int, default=0, choices=[0, 1])
+
+
+def depth_weights(text: str) -> str | list[float]:
+    """`training.depth_weights` from a flag: count, equal, or weights joined by '/'."""
+    return text if text in ("count", "equal") else [float(w) for w in text.split("/")]
 
 
 def main() -> None:

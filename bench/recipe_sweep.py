@@ -9,8 +9,8 @@ position; ours equals vLLM's on this model, bench/real_model.py). One JSON line 
     python bench/recipe_sweep.py --data sharegpt:2000 --steps 80 base
 
 A variant is `name` or `name:key=value,...` (or just `key=value,...`) over `bench/real_model.py`'s recipe
-flags (num_layers, num_depths, draft_vocab, cod_ratio, cod_min, lr, epochs, total_seq_len); `base` is the
-flags as given.
+flags (num_layers, num_depths, draft_vocab, cod_ratio, cod_min, lr, epochs, total_seq_len, precision,
+optimizer, depth_weights, tv_weight, in_vocab_only, freeze_lm_head); `base` is the flags as given.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from real_model import MODEL, add_recipe_args, recipe
 
 KNOBS = {
     "num_layers": int, "num_depths": int, "draft_vocab": int, "cod_ratio": float, "cod_min": float,
-    "lr": float, "epochs": int, "total_seq_len": int,
+    "lr": float, "epochs": int, "total_seq_len": int, "precision": str, "optimizer": str,
+    "depth_weights": str, "tv_weight": float, "in_vocab_only": int, "freeze_lm_head": int,
 }  # fmt: skip
 
 
@@ -44,7 +45,8 @@ def parse_variant(text: str, base: argparse.Namespace) -> tuple[str, argparse.Na
 
 
 def training_data(source: str) -> tuple[Path, bool]:
-    """(chat JSONL, whether the verifier regenerates its answers) for `regen:N`, `sharegpt:N` or `file:PATH`."""
+    """(chat JSONL, whether the verifier regenerates its answers) for `regen:N`, `sharegpt:N` (short first
+    turns), `sharegpt-all:N` (whole conversations) or `file:PATH`."""
     from peagle_core.catalogue.datasets import get_dataset
 
     kind, _, n = source.partition(":")
@@ -61,9 +63,28 @@ def training_data(source: str) -> tuple[Path, bool]:
         rows = [r for r in lines if len(json.loads(r)["messages"][0]["content"]) <= 500]
         out.write_text("\n".join(rows[:limit]) + "\n")
         return out, False
+    if kind == "sharegpt-all":
+        # Every conversation with every assistant turn, as written (multi-turn included).
+        return get_dataset("sharegpt", limit=limit)[0], False
     if kind == "file":
         return Path(n), False  # a chat JSONL already answered by the verifier (e.g. a job's regenerated data)
-    raise SystemExit(f"--data {source!r}: use regen:N, sharegpt:N or file:PATH")
+    raise SystemExit(f"--data {source!r}: use regen:N, sharegpt:N, sharegpt-all:N or file:PATH")
+
+
+def mt_bench_prompts(n: int) -> list[dict[str, str]]:
+    """The first `n` MT-Bench first turns with their categories, one per category in turn, so that a small
+    `n` still covers every category."""
+    from peagle_core.catalogue.datasets import get_dataset
+
+    mt_path, _ = get_dataset("mt-bench", first_turn=True, prompts_only=True)
+    rows = [json.loads(line) for line in mt_path.read_text().splitlines()]
+    by_cat: dict[str, list[dict[str, str]]] = {}
+    for r in rows:
+        cat = r.get("category", "all")
+        by_cat.setdefault(cat, []).append({"prompt": r["messages"][0]["content"], "category": cat})
+    ordered = [q for i in range(max(map(len, by_cat.values()))) for qs in by_cat.values() if i < len(qs)
+               for q in [qs[i]]]  # fmt: skip
+    return ordered[:n]
 
 
 def main() -> None:
@@ -82,23 +103,13 @@ def main() -> None:
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
-    from peagle_core.catalogue.datasets import get_dataset
     from peagle_core.catalogue.models import get_model
     from peagle_core.pipeline.stages import LocalStore, Pipeline
     from peagle_core.spec import parse_spec
 
     verifier = get_model(MODEL)
     data, regenerate = training_data(args.data)
-    mt_path, _ = get_dataset("mt-bench", first_turn=True, prompts_only=True)
-    rows = [json.loads(line) for line in mt_path.read_text().splitlines()]
-    # One prompt per category first, so a small --eval-prompts still covers every category.
-    by_cat: dict[str, list[dict[str, str]]] = {}
-    for r in rows:
-        cat = r.get("category", "all")
-        by_cat.setdefault(cat, []).append({"prompt": r["messages"][0]["content"], "category": cat})
-    ordered = [q for i in range(max(map(len, by_cat.values()))) for qs in by_cat.values() if i < len(qs)
-               for q in [qs[i]]]  # fmt: skip
-    prompts = ordered[: args.eval_prompts]
+    prompts = mt_bench_prompts(args.eval_prompts)
 
     store = LocalStore(args.work / "store")
     for text in args.variants:

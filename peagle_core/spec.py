@@ -150,6 +150,19 @@ class ModelSpec(DrafterSettings, _Strict):
         default=True,
         description="Start the drafter's lm_head from the verifier's draft-vocab rows (faster early training).",
     )
+    freeze_lm_head: bool = Field(
+        default=False,
+        description="Keep the lm_head as initialised (the verifier's rows, or `init_from`'s) and train the rest; "
+        "needs init_lm_head_from_verifier or init_from.",
+    )
+
+    @model_validator(mode="after")
+    def _frozen_head_is_initialised(self) -> ModelSpec:
+        if self.freeze_lm_head and not (self.init_lm_head_from_verifier or self.init_from):
+            raise ValueError(
+                "freeze_lm_head keeps a random lm_head unless init_lm_head_from_verifier or init_from"
+            )
+        return self
 
 
 class TrainingSpec(_Strict):
@@ -172,6 +185,32 @@ class TrainingSpec(_Strict):
         description="Compute precision of the drafter's forward and backward: `auto` is bf16 where the device "
         "has fast bf16 (CUDA, or a CPU with AMX-BF16 or AVX512-BF16) and fp32 elsewhere. Master weights, "
         "optimizer state and the loss stay fp32 in every precision.",
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw",
+        description="`muon`: torch's Muon for the decoder's weight matrices (its update matched to AdamW's "
+        "RMS, so `lr` and `weight_decay` carry over) and AdamW for embeddings, lm_head and norms; ddp only.",
+    )
+    depth_weights: (
+        Literal["count", "equal"]
+        | Annotated[list[Annotated[float, Field(ge=0.0, le=1e6)]], Field(max_length=32)]
+    ) = Field(
+        default="equal",
+        description="How the loss weighs the depths: `count` is the mean over every sampled row (depths weigh "
+        "as many rows as COD gives them, the reference's); `equal` gives each depth the same share; a list "
+        "[w0, ...] (one per model.num_depths) gives depth d the share w_d / sum(w).",
+    )
+    tv_weight: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=100.0,
+        description="Adds tv_weight x the total-variation distance between the verifier's and the drafter's "
+        "distributions to each row's KL (1 - TV is a sampled draft's acceptance chance).",
+    )
+    in_vocab_targets_only: bool = Field(
+        default=False,
+        description="Train only on positions whose verifier top-1 (over its whole vocabulary) is in the draft "
+        "vocabulary; elsewhere no draft can be accepted.",
     )
     sharding: Literal["ddp", "fsdp"] = Field(
         default="ddp",
@@ -371,6 +410,13 @@ class JobSpec(_Strict):
                 f"training.total_seq_len ({self.training.total_seq_len}) must be >= dataset.seq_len "
                 f"({self.dataset.seq_len}) so that every sample fits a packed row"
             )
+        weights = self.training.depth_weights
+        if isinstance(weights, list) and (len(weights) != self.model.num_depths or not sum(weights) > 0):
+            raise ValueError(
+                f"training.depth_weights: give {self.model.num_depths} weights (model.num_depths), not all 0"
+            )
+        if self.training.optimizer == "muon" and self.training.sharding == "fsdp":
+            raise ValueError("training.optimizer: muon orthogonalises whole matrices; use sharding: ddp")
         if self.evaluation.measure_speedup and not self.export.vllm_check:
             raise ValueError(
                 "evaluation.measure_speedup: the speed-up is measured by the publish gate, which "

@@ -1,4 +1,5 @@
-"""Distillation loss: KL(verifier ‖ drafter) over the draft vocabulary, fused with the lm_head and chunked.
+"""Distillation loss: KL(verifier ‖ drafter) over the draft vocabulary, plus an optional total-variation
+term aimed at acceptance, fused with the lm_head and chunked.
 
 Neither the drafter's nor the teacher's [N, V] logits are ever held whole: each chunk of rows computes
 both distributions, the loss and its gradients (w.r.t. the hidden rows and the lm_head weight), then
@@ -30,8 +31,8 @@ _CHUNK_LOGIT_BYTES = 32 * 2**20
 
 @dataclass
 class KLResult:
-    """`loss` = sum_i weight_i * KL_i (differentiable); `kl` per row and `correct` (draft argmax ==
-    teacher argmax) per row are detached, for metrics."""
+    """`loss` = sum_i weight_i * (KL_i + tv_weight * TV_i) (differentiable); `kl` (that row
+    loss) and `correct` (draft argmax == teacher argmax) per row are detached, for metrics."""
 
     loss: torch.Tensor
     kl: torch.Tensor
@@ -52,14 +53,25 @@ def draft_stats(
     inverse: torch.Tensor,
     row_weight: torch.Tensor,
     grad_dtype: torch.dtype,
+    tv_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Drafter rows [c, V] against teacher rows `p[inverse]` -> (KL [c], argmax [c], the weighted
-    gradient of the loss w.r.t. the logits, row_weight * (softmax(logits) - p), in `grad_dtype`)."""
+    """Drafter rows [c, V] against teacher rows `p[inverse]` -> (the row loss [c], argmax [c], the weighted
+    gradient of the loss w.r.t. the logits, in `grad_dtype`).
+
+    The row loss is KL(p ‖ q) + tv_weight * TV(p, q), TV = 1/2 sum_v |q_v - p_v| (1 - TV is the chance
+    that a sampled draft token is accepted). Gradients w.r.t. the logits z: KL gives q - p; TV gives
+    1/2 q_j (s_j - sum_v s_v q_v), s = sign(q - p).
+    """
     logq = torch.log_softmax(logits.float(), dim=-1)
+    q = logq.exp()
     pe = p[inverse]
-    kl = neg_entropy[inverse] - (pe * logq).sum(-1)
-    grad = ((logq.exp() - pe) * row_weight[:, None]).to(grad_dtype)
-    return kl, logq.argmax(-1), grad
+    loss = neg_entropy[inverse] - (pe * logq).sum(-1)
+    grad = q - pe
+    if tv_weight:
+        sign = torch.sign(q - pe)
+        loss = loss + tv_weight * 0.5 * (q - pe).abs().sum(-1)
+        grad = grad + (0.5 * tv_weight) * q * (sign - (sign * q).sum(-1, keepdim=True))
+    return loss, logq.argmax(-1), (grad * row_weight[:, None]).to(grad_dtype)
 
 
 Kernels = tuple[Callable[..., tuple[torch.Tensor, ...]], Callable[..., tuple[torch.Tensor, ...]]]
@@ -113,6 +125,7 @@ class _FusedLinearKL(torch.autograd.Function):
         row_weight,
         chunk_rows,
         compute_dtype,
+        tv_weight,
     ):
         n = hidden.shape[0]
         kernels = loss_kernels(hidden.device)
@@ -132,7 +145,7 @@ class _FusedLinearKL(torch.autograd.Function):
             )
             h = hidden[rows].detach().to(compute_dtype)
             kl_c, argmax_c, grad_logits = _run_kernel(
-                kernels, 1, h @ w.T, p, neg_entropy, inverse, row_weight[rows], compute_dtype
+                kernels, 1, h @ w.T, p, neg_entropy, inverse, row_weight[rows], compute_dtype, tv_weight
             )
             kl[rows] = kl_c
             correct[rows] = argmax_c == teacher_argmax[inverse]
@@ -151,7 +164,7 @@ class _FusedLinearKL(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         gh = (grad_hidden * grad_loss).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_loss).to(weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
 def fused_kl_loss(
@@ -161,8 +174,9 @@ def fused_kl_loss(
     teacher_weight: torch.Tensor,
     target_index: torch.Tensor,
     row_weight: torch.Tensor,
+    tv_weight: float = 0.0,
 ) -> KLResult:
-    """KL(teacher ‖ draft) per row, weighted and summed.
+    """KL(teacher ‖ draft) (+ tv_weight * TV) per row, weighted and summed.
 
     hidden [n, H]: the drafter's final-normed rows; lm_head_weight [Vd, H];
     teacher_hidden [T, H]: verifier last hidden states after the verifier's final norm;
@@ -186,6 +200,7 @@ def fused_kl_loss(
             row_weight.float(),
             chunk_rows,
             compute_dtype,
+            float(tv_weight),
         )
     return KLResult(loss=loss, kl=kl, correct=correct)
 
@@ -197,9 +212,12 @@ def reference_kl_loss(
     teacher_weight: torch.Tensor,
     target_index: torch.Tensor,
     row_weight: torch.Tensor,
+    tv_weight: float = 0.0,
 ) -> torch.Tensor:
-    """Unfused, unchunked version of `fused_kl_loss` (materialises [n, V]); for tests only."""
+    """Unfused, unchunked version of `fused_kl_loss` (materialises [n, V]; autograd differentiates the
+    TV term itself); for tests only."""
     teacher_logp = F.log_softmax(teacher_hidden[target_index] @ teacher_weight.T, dim=-1)
     logq = F.log_softmax(hidden @ lm_head_weight.T, dim=-1)
     kl = F.kl_div(logq, teacher_logp, log_target=True, reduction="none").sum(-1)
-    return (kl * row_weight).sum()
+    tv = 0.5 * (logq.exp() - teacher_logp.exp()).abs().sum(-1)
+    return ((kl + tv_weight * tv) * row_weight).sum()

@@ -2,14 +2,15 @@
 
 The drafter only maps rows to hidden states. This module samples the rows of a packed batch, runs the
 drafter on them, and distils the teacher (the verifier's frozen final norm and lm_head rows over the
-draft vocabulary) into the drafter's lm_head with the fused KL loss, each depth weighted equally.
-Batches are packed to batch size 1: every field is [1, T] (docs/interfaces.md, Token alignment).
+draft vocabulary) into the drafter's lm_head with the fused KL loss, weighted over depths as the
+`Objective` says. Batches are packed to batch size 1: every field is [1, T] (docs/interfaces.md, Token alignment).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,40 @@ from peagle_core.model.config import DrafterSettings
 from peagle_core.model.loss import fused_kl_loss
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (anchor_pos, depth), grouped by depth, anchors ascending
+DepthWeights = Literal["count", "equal"] | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """How a batch's rows score (`training.depth_weights`, `tv_weight`, `in_vocab_targets_only`).
+
+    depth_weights: `count` is the mean over all loss rows, so each depth weighs as many rows as COD gave it
+    (the reference's); `equal` is the mean over depths of each depth's mean; [w0, ...] gives depth d the
+    share w_d / sum(w) of the batch's loss (over the depths that have rows).
+    tv_weight: adds tv_weight * TV(teacher, drafter) to each row's KL (acceptance-aimed).
+    in_vocab_targets_only: drops rows whose teacher top-1 over the verifier's whole vocabulary lies
+    outside the draft vocabulary (no draft can be accepted there); needs a teacher with `full_lm_head`.
+    """
+
+    depth_weights: DepthWeights = "equal"
+    tv_weight: float = 0.0
+    in_vocab_targets_only: bool = False
+
+    def row_weights(self, counts: torch.Tensor, row_depth: torch.Tensor) -> torch.Tensor:
+        """The weight of each row at depth `row_depth`, given the batch's loss-row `counts` per depth;
+        the weights of all the batch's rows sum to 1 (0 when it has none)."""
+        present = counts > 0
+        if self.depth_weights == "count":
+            return torch.full_like(row_depth, 1.0, dtype=torch.float32) / counts.sum().clamp_min(1)
+        if self.depth_weights == "equal":
+            share = present.float()
+        else:
+            share = torch.tensor(list(self.depth_weights), dtype=torch.float32, device=counts.device)
+            if share.numel() != counts.numel():
+                raise ValueError(f"depth_weights has {share.numel()} entries for {counts.numel()} depths")
+            share = share * present
+        share = share / share.sum().clamp_min(1e-12)
+        return (share / counts.clamp_min(1).float())[row_depth]
 
 
 class Teacher(nn.Module):
@@ -29,17 +64,40 @@ class Teacher(nn.Module):
     It defines the distribution the drafter learns; it is not part of the drafter's checkpoint.
     """
 
-    def __init__(self, norm_weight: torch.Tensor, norm_eps: float, lm_head: torch.Tensor):
+    def __init__(
+        self,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        lm_head: torch.Tensor,
+        full_lm_head: torch.Tensor | None = None,
+        verifier_ids: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.register_buffer("norm_weight", norm_weight.detach().float().clone())
         self.register_buffer("lm_head", lm_head.detach().float().clone())
         self.norm_eps = float(norm_eps)
+        # The whole vocabulary's rows, kept only where the objective asks where the teacher's top-1 lies.
+        in_draft = None
+        if full_lm_head is not None:
+            if verifier_ids is None:
+                raise ValueError("a teacher with full_lm_head needs the draft vocabulary's verifier_ids")
+            in_draft = torch.zeros(full_lm_head.shape[0], dtype=torch.bool)
+            in_draft[verifier_ids.cpu()] = True
+            full_lm_head = full_lm_head.detach().float().clone()
+        self.register_buffer("full_lm_head", full_lm_head)
+        self.register_buffer("in_draft_vocab", in_draft)
 
     @classmethod
     def from_verifier(
-        cls, final_norm: nn.Module, lm_head_weight: torch.Tensor, verifier_ids: torch.Tensor
+        cls,
+        final_norm: nn.Module,
+        lm_head_weight: torch.Tensor,
+        verifier_ids: torch.Tensor,
+        *,
+        keep_full_lm_head: bool = False,
     ) -> Teacher:
-        """Copy the verifier's final norm and the lm_head rows `verifier_ids` (the draft vocabulary)."""
+        """Copy the verifier's final norm and the lm_head rows `verifier_ids` (the draft vocabulary), and
+        the whole lm_head with `keep_full_lm_head` (for `Objective.in_vocab_targets_only`)."""
         weight = getattr(final_norm, "weight", None)
         if weight is None:
             raise ValueError("the verifier's final norm has no 'weight'")
@@ -47,7 +105,8 @@ class Teacher(nn.Module):
         if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
             eps = torch.finfo(torch.float32).eps
         rows = lm_head_weight.detach()[verifier_ids.to(lm_head_weight.device)]
-        return cls(weight, eps, rows)
+        full = lm_head_weight if keep_full_lm_head else None
+        return cls(weight, eps, rows, full, verifier_ids if keep_full_lm_head else None)
 
     def forward(self, last_hidden_states: torch.Tensor) -> torch.Tensor:
         """The verifier's final norm of its last hidden states [T, H]; `lm_head` rows turn them into logits."""
@@ -55,6 +114,20 @@ class Teacher(nn.Module):
         return (F.rms_norm(x, (x.shape[-1],), eps=self.norm_eps) * self.norm_weight).to(
             self.norm_weight.dtype
         )
+
+    def top1_in_draft_vocab(self, normed: torch.Tensor, chunk_rows: int = 1024) -> torch.Tensor:
+        """[T] whether the verifier's greedy token over its whole vocabulary, from normed last hidden
+        states [T, H], is in the draft vocabulary (chunked: [chunk, V] logits at a time)."""
+        if self.full_lm_head is None:
+            raise ValueError(
+                "this teacher keeps no full lm_head (Teacher.from_verifier(keep_full_lm_head=True))"
+            )
+        top1 = (
+            torch.cat([(c @ self.full_lm_head.T.to(c.dtype)).argmax(-1) for c in normed.split(chunk_rows)])
+            if normed.shape[0]
+            else torch.zeros(0, dtype=torch.long, device=normed.device)
+        )
+        return self.in_draft_vocab[top1]
 
 
 @dataclass
@@ -116,24 +189,37 @@ def _is_loss_target(loss_mask: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 
 def distillation_loss(
-    model: nn.Module, teacher: Teacher, batch: Any, rows: Rows, segment: tuple[int, int] | None = None
+    model: nn.Module,
+    teacher: Teacher,
+    batch: Any,
+    rows: Rows,
+    segment: tuple[int, int] | None = None,
+    objective: Objective | None = None,
 ) -> LossOutput:
-    """KL(teacher ‖ drafter) over the loss rows among `rows`: the mean over depths of each depth's mean.
+    """KL(teacher ‖ drafter) over the loss rows among `rows`, weighted over depths by `objective`
+    (default: `Objective()`, the mean over depths of each depth's mean).
 
     `model` is the drafter (or its DDP wrapper). `segment=(s, S)` runs only the anchors of the s-th of S
     ranges, weighted by the whole batch's per-depth counts, so the S segment losses and metrics sum to
-    the unpartitioned ones. Accuracy: the drafter's argmax equals the teacher's.
+    the unpartitioned ones. Accuracy: the drafter's argmax equals the teacher's, over the loss rows.
     """
+    objective = objective or Objective()
     if batch.input_ids.shape[0] != 1:
         raise ValueError(f"training batches are packed to batch size 1, got {batch.input_ids.shape[0]}")
     drafter = unwrap(model)
     num_depths = drafter.config.num_depths
     docs = batch.document_ids[0].to(torch.long)
     loss_mask = loss_positions(batch)
+    teacher_rows = teacher(batch.verifier_last_hidden_states[0])
+    if objective.in_vocab_targets_only:
+        # A position whose greedy token the drafter cannot propose teaches nothing a draft can win.
+        where = torch.nonzero(loss_mask).flatten()
+        keep = torch.zeros_like(loss_mask)
+        keep[where] = teacher.top1_in_draft_vocab(teacher_rows[where]).to(loss_mask.dtype)
+        loss_mask = keep
     device = batch.input_ids.device
     anchor_pos, depth = rows[0].to(device), rows[1].to(device)
     counts = torch.bincount(depth[_is_loss_target(loss_mask, anchor_pos + depth)], minlength=num_depths)
-    active_depths = (counts > 0).sum().clamp_min(1)
 
     if segment is not None:
         anchor_pos, depth = segment_rows((anchor_pos, depth), docs, *segment)
@@ -157,14 +243,14 @@ def distillation_loss(
     target = anchor_pos + depth
     loss_rows = torch.nonzero(in_segment & _is_loss_target(loss_mask, target)).flatten()
     row_depth = depth[loss_rows]
-    weight = 1.0 / (counts[row_depth].float() * active_depths)
     result = fused_kl_loss(
         hidden[loss_rows],
         drafter.lm_head.weight,
-        teacher(batch.verifier_last_hidden_states[0]),
+        teacher_rows,
         teacher.lm_head,
         target[loss_rows],
-        weight,
+        objective.row_weights(counts, row_depth),
+        tv_weight=objective.tv_weight,
     )
 
     metrics: dict[str, torch.Tensor] = {"loss": result.loss.detach()}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from peagle_core.model.objective import Teacher, distillation_loss, sample_rows, unwrap
+from peagle_core.model.objective import Objective, Teacher, distillation_loss, sample_rows, unwrap
 
 
 def partitioned_backward(
@@ -21,6 +21,7 @@ def partitioned_backward(
     num_segments: int,
     generator: torch.Generator | None = None,
     scale: float = 1.0,
+    objective: Objective | None = None,
 ) -> dict[str, torch.Tensor]:
     """Forward + backward of one packed batch in `num_segments` segments; gradients accumulate in
     `.grad` (scaled by `scale`). Returns the batch's metrics summed over segments (loss, acc_{d},
@@ -31,7 +32,8 @@ def partitioned_backward(
     segments = min(num_segments, batch.input_ids.shape[1])
     totals: dict[str, torch.Tensor] = {}
     for s in range(segments):
-        out = distillation_loss(model, teacher, batch, rows, segment=(s, segments) if segments > 1 else None)
+        segment = (s, segments) if segments > 1 else None
+        out = distillation_loss(model, teacher, batch, rows, segment=segment, objective=objective)
         (out.loss * scale).backward()
         for key, value in out.metrics.items():
             totals[key] = totals.get(key, 0) + value.detach()

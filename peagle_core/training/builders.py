@@ -34,6 +34,7 @@ from peagle_core.serving.judge import Engines, VllmJudge, engine_options, resolv
 from peagle_core.spec import JobSpec
 from peagle_core.training import distributed as dist_utils
 from peagle_core.training.init_from import init_layer_ids, load_init_checkpoint
+from peagle_core.training.muon import MuonAdamW
 
 
 def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:
@@ -87,9 +88,12 @@ def build_source(
 
 def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device) -> PEagleDraftModel:
     """A fresh drafter shaped by the verifier, with the data's vocab map; embeddings (and lm_head) copied
-    from the verifier as the spec asks. With `model.init_from`, the checkpoint's drafter instead."""
+    from the verifier as the spec asks, the lm_head frozen with `model.freeze_lm_head`. With `model.init_from`,
+    the checkpoint's drafter instead."""
     if spec.model.init_from is not None:
-        return load_init_checkpoint(spec, verifier.config, list(verifier.layer_ids)).to(device)
+        model = load_init_checkpoint(spec, verifier.config, list(verifier.layer_ids))
+        model.lm_head.requires_grad_(not spec.model.freeze_lm_head)
+        return model.to(device)
     config = PEagleConfig.from_verifier(
         verifier.config,
         **spec.model.drafter_settings(),
@@ -104,26 +108,42 @@ def build_model(spec: JobSpec, verifier: Any, dataset: Any, device: torch.device
         model.init_embeddings(verifier.embed_weight.detach().float().cpu())
     if spec.model.init_lm_head_from_verifier:
         model.init_lm_head(verifier.lm_head_weight)
+    model.lm_head.requires_grad_(not spec.model.freeze_lm_head)
     return model.to(device)
 
 
-def build_teacher(verifier: Any, model: PEagleDraftModel) -> Teacher:
-    """The verifier's frozen final norm and lm_head rows over `model`'s draft vocabulary, on its device."""
-    teacher = Teacher.from_verifier(verifier.final_norm, verifier.lm_head_weight, model.verifier_ids())
+def build_teacher(verifier: Any, model: PEagleDraftModel, *, keep_full_lm_head: bool = False) -> Teacher:
+    """The verifier's frozen final norm and lm_head rows over `model`'s draft vocabulary, on its device
+    (and the whole lm_head with `keep_full_lm_head`, for `training.in_vocab_targets_only`)."""
+    teacher = Teacher.from_verifier(
+        verifier.final_norm,
+        verifier.lm_head_weight,
+        model.verifier_ids(),
+        keep_full_lm_head=keep_full_lm_head,
+    )
     return teacher.to(model.verifier_ids().device)
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: norms, biases and `mask_hidden` are not decayed."""
-    decay, no_decay = [], []
+def build_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, kind: str = "adamw"
+) -> torch.optim.Optimizer:
+    """AdamW (or `kind="muon"`: Muon for the decoder's weight matrices, AdamW for the rest) with weight
+    decay on matrices only: norms, biases and `mask_hidden` are not decayed."""
+    decay, no_decay, matrices = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if p.ndim < 2 or "norm" in name or name.endswith("bias") or name == "mask_hidden":
             no_decay.append(p)
+        elif kind == "muon" and p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name:
+            matrices.append(p)
         else:
             decay.append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "muon":
+        return MuonAdamW([{"params": matrices, "weight_decay": weight_decay}], groups, lr=lr)
+    if kind != "adamw":
+        raise ValueError(f"unknown optimizer {kind!r} (adamw or muon)")
     # The fused kernel updates each tensor in one pass (CPU: 0.03 s against 0.15 s per step at SmolLM2's
     # drafter shape), FSDP's sharded parameters (DTensors) included, so every world size steps alike.
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)

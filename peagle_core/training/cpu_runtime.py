@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +24,13 @@ _applied = False
 
 
 def keep_freed_memory() -> bool:
-    """Tell glibc malloc to keep freed memory for reuse (once per process); False where it is not glibc."""
+    """Tell glibc malloc to keep freed memory for reuse (once per process); False where it is not glibc,
+    or where PEAGLE_KEEP_FREED_MEMORY=0 leaves glibc's defaults (a process sharing the machine's memory)."""
     global _applied
     if _applied:
         return True
+    if os.environ.get("PEAGLE_KEEP_FREED_MEMORY", "1") == "0":
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")

@@ -29,7 +29,7 @@ from peagle_core.hidden_states.loader import BatchLoader, HiddenStateSource
 from peagle_core.hidden_states.verifier import Verifier
 from peagle_core.io import atomic_write_json
 from peagle_core.model.drafter import PEagleDraftModel
-from peagle_core.model.objective import Teacher
+from peagle_core.model.objective import Objective, Teacher
 from peagle_core.model.partition import partitioned_backward
 from peagle_core.model.precision import resolve_precision
 from peagle_core.serving.categories import category_groups, eval_categories_figures, pool_eval
@@ -116,6 +116,7 @@ class Trainer:
     model: PEagleDraftModel  # sharded in place under FSDP (`sharding.full_model` gathers it whole)
     train_module: torch.nn.Module  # what forward/backward run through: the drafter, or its DDP wrapper
     teacher: Teacher
+    objective: Objective  # how rows score: `training.depth_weights`, `tv_weight`, `in_vocab_targets_only`
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     autocast: Any  # bf16 autocast under `training.precision` bf16, None for fp32
@@ -282,13 +283,14 @@ def setup(
 
     torch.manual_seed(tc.seed)
     model = build_model(spec, verifier, dataset, device)
-    teacher = build_teacher(verifier, model)
+    teacher = build_teacher(verifier, model, keep_full_lm_head=tc.in_vocab_targets_only)
+    objective = Objective(tc.depth_weights, tc.tv_weight, tc.in_vocab_targets_only)
     precision = resolve_precision(tc.precision, device)
     hooks.event(
         "precision", f"training in {precision} (training.precision: {tc.precision})", precision=precision
     )
     train_module = sharding.wrap(model, tc.sharding, info, device, precision=precision)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay)  # after sharding: FSDP's are the shards
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, tc.optimizer)  # after sharding: FSDP's shards
     total_steps = count_steps(spec, train_idx, list(dataset.lengths))
     scheduler = build_scheduler(
         optimizer,
@@ -328,6 +330,7 @@ def setup(
         model=model,
         train_module=train_module,
         teacher=teacher,
+        objective=objective,
         optimizer=optimizer,
         scheduler=scheduler,
         autocast=torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else None,
@@ -354,13 +357,17 @@ def forward_backward(
     generator: torch.Generator,
     scale: float,
     autocast: torch.autocast | None = None,
+    objective: Objective | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Loss + backward for one packed batch (in `num_segments` sequence partitions when > 1).
+    """Loss + backward for one packed batch (in `num_segments` sequence partitions when > 1), scored by
+    `objective` (default `Objective()`).
 
     Gradients accumulate in `.grad` scaled by `scale`; returns the batch's metrics as tensors (no host sync).
     """
     with autocast if autocast is not None else contextlib.nullcontext():
-        return partitioned_backward(model, teacher, batch, num_segments, generator=generator, scale=scale)
+        return partitioned_backward(
+            model, teacher, batch, num_segments, generator=generator, scale=scale, objective=objective
+        )
 
 
 def cod_generator(seed: int, epoch: int, bin_index: int) -> torch.Generator:
@@ -393,6 +400,7 @@ def train_step(run: Trainer, batches: Iterator[Any], shard: StepShard, *, epoch:
                 generator=cod_generator(tc.seed, epoch, row),
                 scale=weight * info.world_size / shard.step_bins,
                 autocast=run.autocast,
+                objective=run.objective,
             )
         metrics["tokens"] = torch.tensor(float(batch.num_tokens))
         for k, v in metrics.items():
