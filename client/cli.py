@@ -18,6 +18,7 @@ from client.local import DEFAULT_URL, resolve_connection
 from client.sdk import ClientError, PeagleClient
 from peagle_core.cli.catalogue import datasets_get, datasets_list
 from peagle_core.cli.common import fail
+from peagle_core.serving.recommendation import ServingRecommendation
 
 UrlOpt = Annotated[
     str | None, typer.Option("--url", envvar="PEAGLE_URL", help=f"API base URL (default: {DEFAULT_URL}).")
@@ -197,6 +198,8 @@ def _follow(client: PeagleClient, job_id: str) -> None:
         typer.echo(format_event(event))
     job = client.get_job(job_id)
     typer.echo(f"{job_id}: {job['status']}")
+    if (recommendation := ServingRecommendation.of(job.get("progress"))) is not None:
+        typer.echo(f"measured in vLLM: {recommendation.sentence()}")
     if job["status"] != "succeeded":
         error = job.get("error") or {}
         fail(f"job {job_id} {job['status']}" + (f": {error.get('message')}" if error else ""))

@@ -258,8 +258,19 @@ class EvaluationSpec(_Strict):
     )
     measure_speedup: bool = Field(
         default=False,
-        description="After the publish gate, time vLLM at batch 1 on the evaluation prompts with and without "
-        "the drafter (at the largest K) and record the speed-up; needs vLLM and export.vllm_check.",
+        description="After the publish gate, time vLLM on the evaluation prompts without a speculator, with "
+        "the drafter and with vLLM's ngram speculator at each evaluated K and each of speedup_batch_sizes, "
+        "and record the speed-ups and the K to serve with; needs vLLM and export.vllm_check.",
+    )
+    speedup_batch_sizes: list[Annotated[int, Field(ge=1, le=64)]] = Field(
+        default=[1, 8],
+        min_length=1,
+        max_length=4,
+        description="Batch sizes the speed-up is measured at (capped at the number of prompts): each one "
+        "times every prompt once per round and side.",
+    )
+    speedup_rounds: int = Field(
+        default=3, ge=1, le=10, description="Paired timing rounds per speed-up; the median round's counts."
     )
 
     @field_validator("prompts")
@@ -276,7 +287,7 @@ class EvaluationSpec(_Strict):
             raise ValueError(f"prompt {long[0]} is longer than {MAX_PROMPT_CHARS} characters")
         return v
 
-    @field_validator("speculative_tokens")
+    @field_validator("speculative_tokens", "speedup_batch_sizes")
     @classmethod
     def _distinct_ks(cls, v: list[int] | None) -> list[int] | None:
         if v is not None and not v:

@@ -11,7 +11,7 @@ import importlib.util
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from peagle_core.errors import PeagleError
 from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
@@ -22,6 +22,11 @@ _COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+# vLLM's training-free speculator: it proposes the K tokens that followed the last 2-4 prompt-or-output
+# tokens where they occurred before (prompt lookup). The yardstick a trained drafter has to beat.
+NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+Method = Literal["eagle3", "ngram"]
 
 
 def vllm_available() -> bool:
@@ -90,6 +95,7 @@ class EngineConfig:
     verifier: str
     revision: str | None = None
     drafter: str | None = None
+    method: Method | None = None  # the speculator: "eagle3" with `drafter`, "ngram" without; None: plain
     k: int | None = None
     max_model_len: int = 1024
     dtype: str = "float32"
@@ -139,6 +145,7 @@ class VllmEngine:
         *,
         drafter: str | None = None,
         k: int | None = None,
+        method: Method = "eagle3",
         dtype: str = "float32",
         max_model_len: int | None = None,
         enforce_eager: bool = True,
@@ -148,17 +155,20 @@ class VllmEngine:
         sampling: dict[str, Any] | None = None,
     ) -> VllmRun:
         """Greedy generation of `max_new_tokens` (or up to EOS) per prompt, with K drafted tokens per step
-        from `drafter` (a P-EAGLE checkpoint directory) when given. `sampling` adds vLLM SamplingParams
-        fields (`sample` uses it; None is greedy). Raises VllmError with vLLM's message."""
-        if drafter is not None and not k:
-            raise ValueError("a drafter needs k (speculative tokens per step)")
+        from `drafter` (a P-EAGLE checkpoint directory) when given, or from vLLM's `ngram` prompt lookup
+        with `method="ngram"` (no drafter). `sampling` adds vLLM SamplingParams fields (`sample` uses it;
+        None is greedy). Raises VllmError with vLLM's message."""
+        speculates = drafter is not None or method == "ngram"
+        if speculates and not k:
+            raise ValueError("speculative decoding needs k (speculative tokens per step)")
         if max_model_len is None:
             max_model_len = model_len_for(prompts, max_new_tokens, k)
         config = EngineConfig(
             verifier=str(verifier),
             revision=revision,
-            drafter=str(drafter) if drafter is not None else None,
-            k=int(k) if drafter is not None else None,
+            drafter=str(drafter) if drafter is not None and method == "eagle3" else None,
+            method=method if speculates else None,
+            k=int(k) if speculates and k else None,
             max_model_len=int(max_model_len),
             dtype=dtype,
             enforce_eager=enforce_eager,
@@ -276,7 +286,9 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
 
 def _build_engine(config: EngineConfig) -> Any:
     kwargs: dict[str, Any] = {}
-    if config.drafter is not None:
+    if config.method == "ngram":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": config.k, **NGRAM_LOOKUP}
+    elif config.drafter is not None:
         kwargs["speculative_config"] = {
             "model": config.drafter,
             "method": "eagle3",

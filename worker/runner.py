@@ -415,7 +415,7 @@ class JobRunner:
                     event=f"succeeded at step {result.step}; checkpoint {ckpt_id} published",
                     event_data={"checkpoint_id": ckpt_id, "step": result.step},
                     commit=False,
-                    progress={"stage": "done", "step": result.step, "total_steps": result.step, "eta_s": 0},
+                    progress=done_progress(result),
                 )
                 if not moved:
                     session.rollback()
@@ -430,6 +430,15 @@ class JobRunner:
             return "lost"
         self.published_dir = result.export_dir
         return "succeeded"
+
+
+def done_progress(result: PipelineResult) -> dict[str, Any]:
+    """A succeeded job's last progress, with the serving recommendation (`evaluation.measure_speedup`) so
+    that `GET /v1/jobs/{id}` says how to serve the job's drafter."""
+    progress: dict[str, Any] = {"stage": "done", "step": result.step, "total_steps": result.step, "eta_s": 0}
+    if result.serving is not None and result.serving.recommendation is not None:
+        progress["recommendation"] = result.serving.recommendation
+    return progress
 
 
 def _check_verifier_path(spec: JobSpec) -> None:

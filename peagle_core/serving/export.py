@@ -17,6 +17,7 @@ from peagle_core.errors import CheckpointError
 from peagle_core.model.speculators import CARD_NAME, write_checkpoint
 from peagle_core.serving.command import serve_command, speculative_config
 from peagle_core.serving.gate import ServingCheck
+from peagle_core.serving.recommendation import ServingRecommendation
 from peagle_core.serving.validate import validate_checkpoint
 
 if TYPE_CHECKING:
@@ -38,7 +39,9 @@ def model_card(
     model_config: PEagleConfig,
     serving: ServingCheck | None = None,
 ) -> str:
-    """A README that says what this drafter was trained against, whether vLLM served it, and how."""
+    """A README that says what this drafter was trained against, whether vLLM served it, and how (at the
+    recommended K when vLLM's speed-up was measured, else at `k`)."""
+    recommendation = ServingRecommendation.of(serving.to_dict()) if serving is not None else None
     lines = [
         "# P-EAGLE drafter",
         "",
@@ -65,7 +68,7 @@ def model_card(
         "## Serve with vLLM (0.28 or later)",
         "",
         "```bash",
-        serve_command(verifier, checkpoint_dir, k),
+        serve_command(verifier, checkpoint_dir, recommendation.serve_k(k) if recommendation else k),
         "```",
         "",
     ]
@@ -97,6 +100,11 @@ def _serving_section(check: ServingCheck | None) -> list[str]:
                 f"{s['baseline_output_tokens_per_s']:.1f} without ({s['speedup']:.2f}x)"
             ]
             if (s := check.speedup) and s.get("speedup") is not None
+            else []
+        ),
+        *(
+            [f"- measured in vLLM: {recommendation.sentence()}"]
+            if (recommendation := ServingRecommendation.of(check.to_dict()))
             else []
         ),
     ]

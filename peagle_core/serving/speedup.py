@@ -1,4 +1,4 @@
-"""vLLM's speed-up from a drafter, timed in pairs: the runs with and without it alternate, so that load
+"""vLLM's speed-up from a speculator, timed in pairs: the runs with and without it alternate, so that load
 drifting on a shared machine slows both sides alike instead of whichever happened to run second."""
 
 from __future__ import annotations
@@ -6,73 +6,121 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from peagle_core.vllm_engine import VllmEngine
+from peagle_core.vllm_engine import Method, VllmEngine
+
+Groups = list[list[list[int]]]  # batches of prompts (token ids), each one `generate` call
+
+
+def batch_groups(prompts: list[list[int]], batch_size: int) -> Groups:
+    """`prompts` cut into batches of `batch_size` in order (the last one shorter; one batch of all when
+    there are fewer prompts than that)."""
+    if batch_size < 1:
+        raise ValueError("a batch holds at least one prompt")
+    return [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
 
 def paired_speedup(
     plain: VllmEngine,
     drafted: VllmEngine,
     verifier: str,
-    groups: list[list[list[int]]],
+    groups: Groups,
     max_new_tokens: int,
     *,
-    drafter: str,
+    drafter: str | None = None,
     k: int,
+    method: Method = "eagle3",
     rounds: int = 3,
     options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Output tokens/s without and with `drafter` at K over `groups` (one batch each), `rounds` times.
+    """Output tokens/s without and with the speculator at K over `groups` (one batch each), `rounds` times:
+    `paired_speedups` for one set of groups."""
+    (result,) = paired_speedups(
+        plain, drafted, verifier, [groups], max_new_tokens,
+        drafter=drafter, k=k, method=method, rounds=rounds, options=options,
+    )  # fmt: skip
+    return result
+
+
+def paired_speedups(
+    plain: VllmEngine,
+    drafted: VllmEngine,
+    verifier: str,
+    batchings: list[Groups],
+    max_new_tokens: int,
+    *,
+    drafter: str | None = None,
+    k: int,
+    method: Method = "eagle3",
+    rounds: int = 3,
+    options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Output tokens/s without and with the speculator (`drafter` at K, or vLLM's `ngram` at K) for each
+    set of groups in `batchings` (the same prompts batched differently, e.g. batch 1 and batch 8), one
+    figure per set, all timed in the same rounds so that one speculator configuration is built once.
 
     With two engine processes each group runs on both back to back, the order alternating group by group
     and round by round; with one engine (`plain is drafted`, e.g. one GPU's memory) every switch rebuilds
     it, so each round runs all groups on one side, then all on the other, the order alternating by round
     (ABBA, which cancels a linear drift). One untimed warm-up per side first. `speedup` is the median of
-    the per-round ratios, `acceptance_length` vLLM's over every timed drafted run; `lossless` compares the two sides' tokens in the last round."""
-    if rounds < 1 or not groups:
+    the per-round ratios, `acceptance_length` vLLM's over every timed drafted run; `lossless` compares the
+    two sides' tokens in the last round."""
+    if rounds < 1 or not batchings or not all(batchings):
         raise ValueError("a speed-up needs at least one round and one group of prompts")
     options = options or {}
-    sides = {
-        "plain": (plain, {}),
-        "drafted": (drafted, {"drafter": drafter, "k": k}),
-    }
+    speculator: dict[str, Any] = {"k": k, "method": method}
+    if method == "eagle3":
+        if drafter is None:
+            raise ValueError("the eagle3 method needs a drafter")
+        speculator["drafter"] = drafter
+    sides = {"plain": (plain, {}), "drafted": (drafted, speculator)}
 
     def run(side: str, group: list[list[int]]) -> Any:
         engine, extra = sides[side]
         return engine.generate(verifier, group, max_new_tokens, **extra, **options)
 
     for side in ("plain", "drafted"):
-        run(side, groups[0])
-    blocks = [[g] for g in groups] if plain is not drafted else [groups]
-    ratios, rates = [], {"plain": [], "drafted": []}
-    drafts = accepted = 0
-    tokens: dict[str, list[list[int]]] = {}
+        run(side, batchings[0][0])
+    items = [(s, g) for s, groups in enumerate(batchings) for g in groups]
+    blocks = [[item] for item in items] if plain is not drafted else [items]
+    n = len(batchings)
+    ratios: list[list[float]] = [[] for _ in range(n)]
+    rates: list[dict[str, list[float]]] = [{"plain": [], "drafted": []} for _ in range(n)]
+    drafts, accepted = [0] * n, [0] * n
+    tokens: list[dict[str, list[list[int]]]] = []
     for r in range(rounds):
-        spent = {side: [0, 0.0] for side in sides}  # output tokens, seconds
-        tokens = {"plain": [], "drafted": []}
+        spent = [{side: [0, 0.0] for side in sides} for _ in range(n)]  # output tokens, seconds
+        tokens = [{"plain": [], "drafted": []} for _ in range(n)]
         for b, block in enumerate(blocks):
             order = ("plain", "drafted") if (r + b) % 2 == 0 else ("drafted", "plain")
             for side in order:
-                for group in block:
+                for s, group in block:
                     out = run(side, group)
-                    spent[side][0] += out.num_output_tokens
-                    spent[side][1] += out.seconds
-                    tokens[side].extend(out.tokens)
+                    spent[s][side][0] += out.num_output_tokens
+                    spent[s][side][1] += out.seconds
+                    tokens[s][side].extend(out.tokens)
                     if side == "drafted":
-                        drafts, accepted = drafts + out.num_drafts, accepted + out.num_accepted_tokens
-        for side in sides:
-            rates[side].append(spent[side][0] / spent[side][1] if spent[side][1] > 0 else 0.0)
-        if rates["plain"][-1] > 0:
-            ratios.append(rates["drafted"][-1] / rates["plain"][-1])
-    return {
-        "batch_size": max(map(len, groups)),
-        "k": k,
-        "prompts": sum(map(len, groups)),
-        "rounds": rounds,
-        "paired": "per group" if plain is not drafted else "per round (ABBA)",
-        "output_tokens_per_s": statistics.median(rates["drafted"]),
-        "baseline_output_tokens_per_s": statistics.median(rates["plain"]),
-        "speedup": statistics.median(ratios) if ratios else None,
-        "speedup_per_round": [round(x, 4) for x in ratios],
-        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-        "lossless": tokens["plain"] == tokens["drafted"],
-    }
+                        drafts[s] += out.num_drafts
+                        accepted[s] += out.num_accepted_tokens
+        for s in range(n):
+            for side in sides:
+                seconds = spent[s][side][1]
+                rates[s][side].append(spent[s][side][0] / seconds if seconds > 0 else 0.0)
+            if rates[s]["plain"][-1] > 0:
+                ratios[s].append(rates[s]["drafted"][-1] / rates[s]["plain"][-1])
+    return [
+        {
+            "method": method,
+            "batch_size": max(map(len, groups)),
+            "k": k,
+            "prompts": sum(map(len, groups)),
+            "rounds": rounds,
+            "paired": "per group" if plain is not drafted else "per round (ABBA)",
+            "output_tokens_per_s": statistics.median(rates[s]["drafted"]),
+            "baseline_output_tokens_per_s": statistics.median(rates[s]["plain"]),
+            "speedup": statistics.median(ratios[s]) if ratios[s] else None,
+            "speedup_per_round": [round(x, 4) for x in ratios[s]],
+            "acceptance_length": 1 + accepted[s] / drafts[s] if drafts[s] else 1.0,
+            "lossless": tokens[s]["plain"] == tokens[s]["drafted"],
+        }
+        for s, groups in enumerate(batchings)
+    ]

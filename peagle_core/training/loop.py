@@ -41,6 +41,7 @@ from peagle_core.serving.judge import (
     VllmJudge,
     agreement_gap,
 )
+from peagle_core.serving.recommendation import ServingRecommendation
 from peagle_core.spec import JobSpec
 from peagle_core.training import distributed as dist_utils
 from peagle_core.training import sharding
@@ -627,6 +628,9 @@ def export_drafter(
                 # The collapse check: vLLM's acceptance against ours at K on the same prompts.
                 ours=Acceptance.of(ours) if "acceptance_length" in ours else None,
                 measure_speedup=run.spec.evaluation.measure_speedup,
+                speedup_ks=run.spec.speculative_tokens,
+                speedup_batch_sizes=run.spec.evaluation.speedup_batch_sizes,
+                speedup_rounds=run.spec.evaluation.speedup_rounds,
             )
         else:
             reason = run.engines.gate_off_reason or "no serving check was run"
@@ -657,6 +661,8 @@ def export_drafter(
             )
             if check.speedup and check.speedup.get("speedup") is not None:
                 run.hooks.report({"step": progress.step, f"eval/vllm_speedup@{k}": check.speedup["speedup"]})
+            if (recommendation := ServingRecommendation.of(check.to_dict())) is not None:
+                run.hooks.event("serving", recommendation.sentence(), recommendation=check.recommendation)
         evaluation = {**(progress.evaluation or {}), "serving": check.to_dict()}
         progress.evaluation = evaluation  # the final metrics read the speed-up from it
         atomic_write_json(export_dir / "eval.json", evaluation)

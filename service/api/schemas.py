@@ -80,7 +80,11 @@ class Job(_Out):
     attempt: int
     max_attempts: int
     queue: str
-    progress: dict[str, Any] | None = Field(description="stage, step, total_steps, eta_s (while running).")
+    progress: dict[str, Any] | None = Field(
+        description="stage, step, total_steps, eta_s (while running); once succeeded with "
+        "`evaluation.measure_speedup`, `recommendation`: the K to serve the drafter with (`k`, null when no "
+        "K beat plain decoding), the best speed-ups per batch size beside vLLM's ngram, and a `sentence`."
+    )
     error: dict[str, Any] | None = Field(
         description="Set when the job failed: `code` (stable), `message` (actionable, never a traceback) and "
         "`param` (the spec field at fault, when one is)."

@@ -14,6 +14,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
 from peagle_core.serving.command import serve_command
+from peagle_core.serving.recommendation import NGRAM, ServingRecommendation
 from service.db.models import Checkpoint, Job, JobEvent, Project, utcnow
 from service.ui.session import CSRF_FIELD, UiSession, save_session
 
@@ -229,6 +230,33 @@ def vllm_speedup(ckpt: Checkpoint) -> Speedup | None:
 
 
 @dataclass
+class SpeedupRow:
+    speculator: str  # "this drafter" or "vLLM ngram"
+    k: int
+    batch_size: int
+    speedup: float
+
+
+def vllm_speedups(ckpt: Checkpoint) -> list[SpeedupRow]:
+    """Every speed-up the publish check measured, per speculator, K and batch size (none before there
+    were several)."""
+    rows = (_eval(ckpt).get("serving") or {}).get("speedups")
+    out = []
+    for r in rows if isinstance(rows, list) else []:
+        ratio, k, batch = _num(r.get("speedup")), r.get("k"), r.get("batch_size")
+        if ratio is not None and isinstance(k, int) and isinstance(batch, int):
+            out.append(
+                SpeedupRow("vLLM ngram" if r.get("method") == NGRAM else "this drafter", k, batch, ratio)
+            )
+    return out
+
+
+def serving_recommendation(ckpt: Checkpoint) -> ServingRecommendation | None:
+    """How to serve it, drawn from those speed-ups (None when they were not measured)."""
+    return ServingRecommendation.of(_eval(ckpt).get("serving"))
+
+
+@dataclass
 class JobRow:
     job: Job
     best_acceptance: float | None
@@ -269,6 +297,8 @@ class CheckpointCard:
     positions: list[PositionRow]
     categories: list[CategoryRow]
     speedup: Speedup | None
+    speedups: list[SpeedupRow]
+    recommendation: ServingRecommendation | None
 
 
 def checkpoint_cards(job: Job, checkpoints: list[Checkpoint]) -> list[CheckpointCard]:
@@ -277,19 +307,25 @@ def checkpoint_cards(job: Job, checkpoints: list[Checkpoint]) -> list[Checkpoint
         (spec.get("model") or {}).get("num_depths", 4)
     ]
     verifier = (spec.get("verifier") or {}).get("name_or_path", "VERIFIER")
-    return [
-        CheckpointCard(
-            ckpt=c,
-            acceptance=checkpoint_acceptance(c),
-            vllm=vllm_acceptance(c),
-            # The archive unpacks into a directory named after the checkpoint.
-            command=serve_command(verifier, f"./{c.id}", max(ks)),
-            positions=acceptance_by_position(c),
-            categories=acceptance_by_category(c),
-            speedup=vllm_speedup(c),
+    cards = []
+    for c in checkpoints:
+        recommendation = serving_recommendation(c)
+        k = recommendation.serve_k(max(ks)) if recommendation is not None else max(ks)
+        cards.append(
+            CheckpointCard(
+                ckpt=c,
+                acceptance=checkpoint_acceptance(c),
+                vllm=vllm_acceptance(c),
+                # The archive unpacks into a directory named after the checkpoint.
+                command=serve_command(verifier, f"./{c.id}", k),
+                positions=acceptance_by_position(c),
+                categories=acceptance_by_category(c),
+                speedup=vllm_speedup(c),
+                speedups=vllm_speedups(c),
+                recommendation=recommendation,
+            )
         )
-        for c in checkpoints
-    ]
+    return cards
 
 
 @dataclass

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ from typer.testing import CliRunner
 
 from cli import build_app
 from client import PeagleClient
+from tests.fixtures.stack import serve_app
 
 DATASET_ROWS = [
     {
@@ -39,22 +37,8 @@ DATASET_ROWS = [
 @pytest.fixture
 def server_url(app: Any, redis_conn: Any) -> Iterator[str]:
     """The app served by uvicorn in a thread on a free port."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_app(app) as url:
+        yield url
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from service.artifacts import ArtifactStore, manifest_sha256
 from tests.worker.conftest import PEAGLE, REPO, VLLM_ON, Stack, toy_spec
@@ -23,6 +24,7 @@ def test_job_succeeds_and_publishes_a_valid_checkpoint(
         **VLLM_ON["evaluation"],
         "prompts": [{"prompt": users[0], "category": "first"}, {"prompt": users[1], "category": "second"}],
         "measure_speedup": True,
+        "speedup_rounds": 1,  # one paired round: the figures' structure is what this test checks
     }
     job_id = stack.submit(
         toy_spec(toy_verifier_dir, toy_dataset_path, evaluation=evaluation, export=VLLM_ON["export"])
@@ -63,6 +65,7 @@ def test_job_succeeds_and_publishes_a_valid_checkpoint(
     )
     assert serving["speedup"]["lossless"] is True and serving["speedup"]["speedup"] > 0
     assert ckpt.metrics["eval/vllm_speedup@2"] == serving["speedup"]["speedup"]
+    assert_serving_recommendation_shown(stack, job_id, serving)
     assert any("eval/acceptance_rate@2_pos2" in m for m in metrics)
     assert any("eval/vllm_acceptance_rate@2_pos2" in m for m in metrics)
     assert {f["name"] for f in ckpt.files} >= {
@@ -83,6 +86,54 @@ def test_job_succeeds_and_publishes_a_valid_checkpoint(
     res = subprocess.run([*PEAGLE, "export", "validate", str(out)], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "servable: **verified** by vllm" in (out / "README.md").read_text()
+
+
+def assert_serving_recommendation_shown(stack: Stack, job_id: str, serving: dict[str, Any]) -> None:
+    """The drafter and vLLM's ngram were timed at K=2, at batch 1 and batch 2 (both prompts: fewer than 8);
+    the recommendation drawn from them is on the API, the job page and the CLI's final lines, and the
+    serve command carries its K."""
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from cli import build_app
+    from peagle_core.serving.recommendation import ServingRecommendation
+    from service.app import create_app
+    from service.crud.projects import create_key
+    from service.db.models import Project
+    from tests.fixtures.stack import serve_app
+    from tests.service.test_ui import sign_in
+
+    rows = {(r["method"], r["k"], r["batch_size"]): r for r in serving["speedups"]}
+    assert sorted(rows) == [("eagle3", 2, 1), ("eagle3", 2, 2), ("ngram", 2, 1), ("ngram", 2, 2)]
+    assert serving["speedup"] == rows[("eagle3", 2, 1)]
+    rec = ServingRecommendation.of(serving)
+    assert rec is not None and rec == ServingRecommendation.choose(serving["speedups"])
+    assert [(b.batch_size, b.best_k, b.ngram_k) for b in rec.batches] == [(1, 2, 2), (2, 2, 2)]
+    beats = any(rows[("eagle3", 2, b)]["speedup"] > 1.0 for b in (1, 2))
+    assert rec.k == (2 if beats else None)
+    sentence = rec.sentence()
+    assert sentence.startswith(
+        "serve with num_speculative_tokens=2:" if beats else "no num_speculative_tokens"
+    )
+
+    with stack.sessions() as s:
+        key, _ = create_key(s, s.get(Project, stack.project_id).name)
+    app = create_app(stack.settings)
+    with TestClient(app, base_url="http://localhost") as client:
+        job = client.get(f"/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {key}"}).json()
+        assert job["progress"]["recommendation"] == serving["recommendation"]
+        assert job["progress"]["recommendation"]["sentence"] == sentence
+        sign_in(client, key)
+        page = client.get(f"/ui/jobs/{job_id}/panel?part=details").text
+    assert f"How to serve it: <strong>{sentence}</strong>" in page
+    assert page.count('<td class="num">2</td><td class="num">1</td>') == 2  # both speculators at batch 1
+    assert "&#34;num_speculative_tokens&#34;: 2" in page  # the command's K (the recommended one or the job's)
+    with serve_app(app) as url:
+        out = CliRunner().invoke(
+            build_app(), ["jobs", "logs", job_id, "--follow", "--url", url, "--key", key]
+        )
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines()[-2:] == [f"{job_id}: succeeded", f"measured in vLLM: {sentence}"]
 
 
 def test_without_the_gate_a_checkpoint_is_published_unverified(
@@ -108,6 +159,8 @@ def test_without_the_gate_a_checkpoint_is_published_unverified(
         "acceptance_floor": None,
         "categories": {},
         "speedup": None,
+        "speedups": [],
+        "recommendation": None,
     }
 
 

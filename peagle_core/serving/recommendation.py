@@ -1,0 +1,125 @@
+"""How to serve a drafter, from vLLM's measured speed-ups: the K to serve it with and what it buys at each
+batch size measured, beside vLLM's training-free `ngram` speculator on the same prompts (no torch: the
+dashboard and the CLI render it too).
+
+The rows are `serving.speedup.paired_speedups`' results with their `method` (`eagle3` for the drafter,
+`ngram`). The K served is the best one at the smallest batch size where some K beats plain decoding
+(speed-up above 1): speculative decoding pays most where decoding is latency-bound, and one server runs
+one K. When no K beats plain at any batch size there is no K to recommend, and the sentence says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DRAFTER, NGRAM = "eagle3", "ngram"  # the `method` of a speed-up row
+
+
+@dataclass(frozen=True)
+class BatchFigures:
+    """The best speed-ups measured at one batch size: the drafter's and ngram's, each with its K, and the
+    drafter's at the recommended K (None when there is none, or it was not measured here)."""
+
+    batch_size: int
+    best_k: int | None
+    best_speedup: float | None
+    ngram_k: int | None = None
+    ngram_speedup: float | None = None
+    speedup: float | None = None
+
+
+@dataclass(frozen=True)
+class ServingRecommendation:
+    """The K to serve the drafter with (None: no K beat plain decoding) and the figures behind it, one
+    entry per batch size, smallest first."""
+
+    k: int | None
+    batches: tuple[BatchFigures, ...]
+
+    @classmethod
+    def choose(cls, rows: Iterable[Mapping[str, Any]]) -> ServingRecommendation | None:
+        """The recommendation from speed-up rows (None when no row has a speed-up)."""
+        measured = [r for r in rows if isinstance(r.get("speedup"), int | float)]
+        if not measured:
+            return None
+        sizes = sorted({int(r["batch_size"]) for r in measured})
+
+        def best(method: str, size: int) -> Mapping[str, Any] | None:
+            mine = [r for r in measured if r.get("method", DRAFTER) == method and r["batch_size"] == size]
+            # The smaller K on a tie: fewer drafted tokens per step for the same speed.
+            return max(mine, key=lambda r: (r["speedup"], -int(r["k"])), default=None)
+
+        winners = {size: best(DRAFTER, size) for size in sizes}
+        k = next((int(w["k"]) for w in winners.values() if w is not None and w["speedup"] > 1.0), None)
+        batches = []
+        for size in sizes:
+            w, ng = winners[size], best(NGRAM, size)
+            at_k = [
+                r["speedup"]
+                for r in measured
+                if r.get("method", DRAFTER) == DRAFTER and r["batch_size"] == size and r["k"] == k
+            ]
+            batches.append(
+                BatchFigures(
+                    batch_size=size,
+                    best_k=int(w["k"]) if w is not None else None,
+                    best_speedup=float(w["speedup"]) if w is not None else None,
+                    ngram_k=int(ng["k"]) if ng is not None else None,
+                    ngram_speedup=float(ng["speedup"]) if ng is not None else None,
+                    speedup=float(at_k[0]) if at_k else None,
+                )
+            )
+        return cls(k=k, batches=tuple(batches))
+
+    def serve_k(self, default: int) -> int:
+        """The K the `vllm serve` command should carry: the recommended one, else `default`."""
+        return self.k if self.k is not None else default
+
+    def sentence(self) -> str:
+        """One line for people, e.g. "serve with num_speculative_tokens=2: 1.42× at batch 1, 1.10× at
+        batch 8 (ngram 1.19× / 1.05×)"."""
+        ngram = [b.ngram_speedup for b in self.batches if b.ngram_speedup is not None]
+        ngram_part = "ngram " + " / ".join(f"{s:.2f}×" for s in ngram) if ngram else "ngram not measured"
+        if self.k is None:
+            best = ", ".join(
+                f"best {b.best_speedup:.2f}× at batch {b.batch_size} (K={b.best_k})"
+                for b in self.batches
+                if b.best_speedup is not None
+            )
+            return (
+                f"no num_speculative_tokens beat plain decoding with this drafter ({best}): serve without "
+                f"it ({ngram_part})"
+            )
+        figures = ", ".join(
+            f"{b.speedup:.2f}× at batch {b.batch_size}" for b in self.batches if b.speedup is not None
+        )
+        others = "".join(
+            f"; K={b.best_k} is faster at batch {b.batch_size} ({b.best_speedup:.2f}×)"
+            for b in self.batches
+            if b.best_k is not None and b.best_k != self.k
+        )
+        return f"serve with num_speculative_tokens={self.k}: {figures} ({ngram_part}){others}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, with the sentence for readers of the raw JSON (`from_dict` ignores it)."""
+        return {"k": self.k, "batches": [asdict(b) for b in self.batches], "sentence": self.sentence()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ServingRecommendation:
+        known = set(BatchFigures.__dataclass_fields__)
+        return cls(
+            k=d.get("k"),
+            batches=tuple(BatchFigures(**{f: v for f, v in b.items() if f in known}) for b in d["batches"]),
+        )
+
+    @classmethod
+    def of(cls, holder: Mapping[str, Any] | None) -> ServingRecommendation | None:
+        """The recommendation stored under `recommendation` in `holder`: a serving check's dict
+        (`ServingCheck.to_dict()`, the evaluation's `serving`) or a succeeded job's progress; None for
+        checks recorded without one, or before there was one."""
+        stored = (holder or {}).get("recommendation")
+        if not isinstance(stored, Mapping) or not isinstance(stored.get("batches"), list):
+            return None
+        return cls.from_dict(stored)
