@@ -112,6 +112,7 @@ def main() -> None:
     )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--serve-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="timed serving")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
@@ -126,7 +127,6 @@ def main() -> None:
     from peagle_core.pipeline.stages import run_pipeline
     from peagle_core.serving.categories import eval_categories_figures, pool_eval, pool_runs, run_categories
     from peagle_core.serving.judge import agreement_gap, engine_options
-    from peagle_core.serving.speedup import paired_speedup
     from peagle_core.spec import parse_spec
     from peagle_core.vllm_engine import VllmEngine
 
@@ -216,15 +216,63 @@ def main() -> None:
         timing = prompts[: args.timing_prompts]
         if not timing:  # --timing-prompts 0: acceptance only
             return
-        with VllmEngine() as drafted:  # the drafted side in its own process: runs alternate in pairs
-            for batch, k in ((b, k) for b in (1, 8) for k in args.timing_ks or [depths]):
-                groups = [timing[i : i + batch] for i in range(0, len(timing), batch)]
-                r = paired_speedup(vllm, drafted, v, groups, args.new_tokens, drafter=str(drafter_dir),
-                                   k=k, rounds=args.repeats, options=opts)  # fmt: skip
-                emit(bench="real_model", batch=batch, k=k, prompts=len(timing), repeats=args.repeats,
-                     plain_tokens_per_s=r["baseline_output_tokens_per_s"],
-                     drafter_tokens_per_s=r["output_tokens_per_s"], speedup=r["speedup"],
-                     speedup_per_round=r["speedup_per_round"], lossless=r["lossless"])  # fmt: skip
+        fp32_plain = vllm.generate(v, timing[:1], args.new_tokens, **opts)  # warm
+        fp32_plain = [vllm.generate(v, [p], args.new_tokens, **opts) for p in timing]
+    time_serving(args, v, drafter_dir, timing, opts, depths, fp32_plain)
+
+
+def time_serving(
+    args: argparse.Namespace,
+    verifier: str,
+    drafter_dir: Path,
+    timing: list[list[int]],
+    opts: dict[str, Any],
+    depths: int,
+    fp32_plain: list[Any],
+) -> None:
+    """Paired speed-ups in the serving dtype (`--serve-dtype`, bf16 by default: what users serve): the
+    drafter and vLLM's `ngram` at each timed K, at batch 1 and 8, each against plain decoding; then each
+    speculator's best K, and plain bf16 against plain fp32 once. Losslessness is checked in fp32 above;
+    here the greedy match rate says how often bf16 spec decoding kept plain bf16's tokens."""
+    from peagle_core.serving.speedup import batch_groups, paired_speedups
+    from peagle_core.vllm_engine import VllmEngine
+
+    serve = {**opts, "dtype": args.serve_dtype}
+    batchings = [batch_groups(timing, b) for b in (1, 8)]
+    rows: list[dict[str, Any]] = []
+    with VllmEngine() as plain:
+        for method in ("eagle3", "ngram"):
+            for k in args.timing_ks or range(1, depths + 1):
+                # One engine process per configuration: vLLM's CPU build cannot build another engine in a
+                # process whose ngram proposer has loaded numba (peagle_core.serving.judge).
+                with VllmEngine() as drafted:
+                    rows += paired_speedups(
+                        plain, drafted, verifier, batchings, args.new_tokens,
+                        drafter=str(drafter_dir) if method == "eagle3" else None, k=k, method=method,
+                        rounds=args.repeats, options=serve,
+                    )  # fmt: skip
+        bf16_plain = [plain.generate(verifier, [p], args.new_tokens, **serve) for p in timing]
+    for r in rows:
+        emit(bench="real_model", stage="speedup", dtype=args.serve_dtype, method=r["method"], k=r["k"],
+             batch=r["batch_size"], prompts=r["prompts"], repeats=r["rounds"],
+             plain_tokens_per_s=r["baseline_output_tokens_per_s"], drafter_tokens_per_s=r["output_tokens_per_s"],
+             speedup=r["speedup"], speedup_per_round=r["speedup_per_round"],
+             acceptance_length=r["acceptance_length"], greedy_match=r["lossless"])  # fmt: skip
+    for batch in (1, 8):
+        best = {}
+        for method in ("eagle3", "ngram"):
+            mine = [r for r in rows if r["method"] == method and r["batch_size"] == min(batch, len(timing))]
+            best[method] = max(mine, key=lambda r: r["speedup"] or 0.0, default=None)
+        d, n = best["eagle3"], best["ngram"]
+        emit(bench="real_model", stage="best_k", dtype=args.serve_dtype, batch=batch,
+             peagle_k=d and d["k"], peagle_speedup=d and d["speedup"], ngram_k=n and n["k"],
+             ngram_speedup=n and n["speedup"],
+             margin_over_ngram=d and n and d["speedup"] and n["speedup"] and round(d["speedup"] - n["speedup"], 4))  # fmt: skip
+    rate = lambda runs: sum(r.num_output_tokens for r in runs) / sum(r.seconds for r in runs)  # noqa: E731
+    emit(bench="real_model", stage="dtype", batch=1, prompts=len(timing),
+         fp32_plain_tokens_per_s=round(rate(fp32_plain), 2), bf16_plain_tokens_per_s=round(rate(bf16_plain), 2),
+         bf16_over_fp32=round(rate(bf16_plain) / rate(fp32_plain), 3),
+         bf16_equals_fp32_prompts=sum(a.tokens == b.tokens for a, b in zip(bf16_plain, fp32_plain, strict=True)))  # fmt: skip
 
 
 if __name__ == "__main__":
