@@ -35,6 +35,7 @@ def main() -> None:
 
     from sqlalchemy import select
 
+    from peagle_core.processes import stop_process
     from service.crud.jobs import create_job
     from service.crud.projects import get_or_create_project
     from service.db.migrate import upgrade
@@ -98,8 +99,7 @@ def main() -> None:
                 time.sleep(0.05)
             time.sleep(0.5)
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        stop_process(worker, grace_s=30)
 
     with sessions() as s:
         job = create_job(s, project_id, spec, max_attempts=1)

@@ -34,6 +34,7 @@ from pathlib import Path
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
 from peagle_core.pipeline.stages import PipelineResult
+from peagle_core.processes import stop_process
 from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
 from worker.job_io import error_for, event_recorder, setup_logging, write_event
@@ -180,12 +181,7 @@ def run_ranks(
     except BaseException:
         # The horse itself is going (a timeout, an interrupt) or the job was taken from this attempt:
         # torchrun stops its ranks on SIGTERM.
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=30)
         raise
     return proc.returncode
 
