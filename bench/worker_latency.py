@@ -43,6 +43,7 @@ def main() -> None:
     from service.db.session import session_factory
     from service.queue import enqueue_run, redis_from_url
     from service.settings import Settings
+    from worker.attempt import AttemptContext
     from worker.progress import ProgressWriter
 
     tmp = Path(tempfile.mkdtemp(prefix="peagle-bench-"))
@@ -106,7 +107,7 @@ def main() -> None:
         s.commit()
         job_id = job.id
     for step_s in args.steps_s:
-        writer = ProgressWriter(sessions, job_id, attempt=1).start()
+        writer = ProgressWriter(AttemptContext(sessions, job_id, 1)).start()
         steps = max(50, int(3.0 / step_s))
         in_report = 0.0
         t0 = time.perf_counter()

@@ -38,6 +38,7 @@ from service.db.session import session_factory
 from service.paths import check_spec_paths
 from service.queue import redis_from_url
 from service.settings import Settings
+from worker.attempt import AttemptContext
 from worker.gang import GangLeader, NodeLost
 from worker.job_io import error_for, event_recorder, submitted_spec
 from worker.mirror import CheckpointMirror, restore
@@ -94,23 +95,18 @@ class JobRunner:
         self.attempt = job.attempt
         spec = submitted_spec(job)
         work_dir = self._work_dir()
+        ctx = AttemptContext(self.sessions, self.job_id, self.attempt)
         monitor = JobMonitor(
-            self.sessions,
-            self.job_id,
-            self.attempt,
+            ctx,
             heartbeat_s=self.settings.worker_heartbeat_s,
             redis=redis_from_url(self.settings.redis_url),
         ).start()
         monitor.stop_on_signal()
-        progress = ProgressWriter(self.sessions, self.job_id, attempt=self.attempt).start()
-        trackers = JobTrackers(
-            self.settings, self.sessions, self.store, self.job_id, job.project_id, self.attempt, spec
-        ).start()
+        progress = ProgressWriter(ctx).start()
+        trackers = JobTrackers(self.settings, ctx, self.store, job.project_id, spec).start()
         mirror = CheckpointMirror(
             self.store,
-            self.sessions,
-            self.job_id,
-            self.attempt,
+            ctx,
             work_dir,
             current_uri=job.resume_uri,
             on_mirrored=lambda nbytes: self._charge(
@@ -308,7 +304,7 @@ class JobRunner:
         )
         if spec.resources.nodes_max > 1:
             leader = GangLeader(
-                self.settings, self.sessions, self.job_id, self.attempt, self.worker_name,
+                self.settings, AttemptContext(self.sessions, self.job_id, self.attempt), self.worker_name,
                 preempted=monitor.preempted, prepared_key=lambda: self.prepared_key,
             )  # fmt: skip
             train_stage: TrainStage | None = leader.train
