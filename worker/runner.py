@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from peagle_core.data.formats import require_dataset_file
 from peagle_core.errors import CheckpointError, DataError, VerifierError
 from peagle_core.io import sha256_file
 from peagle_core.keys import PREPARE
@@ -328,9 +329,7 @@ class JobRunner:
     def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
         """The JSONL to train on and its sha256 (the stage keys' source digest)."""
         if spec.dataset.path is not None:
-            path = Path(spec.dataset.path)
-            if not path.is_file():
-                raise DataError(f"dataset.path {path} does not exist on the worker", param="dataset.path")
+            path = require_dataset_file(spec.dataset.path, param="dataset.path", where=" on the worker")
             return path, sha256_file(path)
 
         def dataset() -> Any:
