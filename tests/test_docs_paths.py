@@ -1,7 +1,7 @@
-"""The docs name only code that exists: every backticked reference to one of our packages in README.md and
-docs/*.md (`peagle_core.training.loop`, `peagle_core/model/loss.py`, `peagle_core.spec.JobSpec`,
-`worker.tasks.run_job(job_id)`, `bench/chaos.py --node-loss 2`) must name a module, folder or file that is
-there, and a name that module (or a class of it) defines.
+"""The docs name only code that exists: every backticked reference to one of our packages in README.md,
+docs/*.md and bench/results/README.md (`peagle_core.training.loop`, `peagle_core/model/loss.py`,
+`peagle_core.spec.JobSpec`, `worker.tasks.run_job(job_id)`, `bench/chaos.py --node-loss 2`) must name a
+module, folder or file that is there, and a name that module (or a class of it) defines.
 
 References are resolved by reading the source (no imports: some modules pull in vLLM): the longest prefix
 that is a module or package, then a name defined at its top level (a def, class, assignment or import), then
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "results" / "README.md"]
 PACKAGES = ("peagle_core", "service", "worker", "client", "cli", "bench", "tests")
 
 _FENCE = re.compile(r"^```.*?^```", re.M | re.S)
