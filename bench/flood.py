@@ -14,11 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
-import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -26,8 +22,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import _api_harness as harness
 import httpx
-from api_load import _drive, _drop_db, _free_port
 
 CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 
@@ -35,25 +31,11 @@ CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 def _setup(args: argparse.Namespace, tmp: Path, queue: str) -> tuple[str, str | None, str, str]:
     """The database URL (and the scratch Postgres database's name), and keys of projects A and B; A gets
     a page of jobs to list."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
     from service.crud.jobs import create_job
     from service.crud.projects import create_key
-    from service.db.migrate import upgrade
     from service.db.session import session_scope
 
-    name = None
-    if args.sqlite:
-        url = f"sqlite:///{tmp / 'peagle.db'}"
-    else:
-        name = f"peagle_bench_{uuid.uuid4().hex[:10]}"
-        admin = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-        admin.dispose()
-        url = make_url(args.postgres_url).set(database=name).render_as_string(hide_password=False)
-    upgrade(url)
+    url, name = harness.scratch_database(args.postgres_url, sqlite_dir=tmp if args.sqlite else None)
     with session_scope(url) as s:
         key_a, row = create_key(s, "victim")
         key_b, _ = create_key(s, "flooder")
@@ -138,27 +120,11 @@ async def _flood(
     return dict(sorted(counts.items()))
 
 
-def _flood_process(args: tuple, out: Any) -> None:
-    out.put(asyncio.run(_flood(*args)))
-
-
-def _victim_process(args: tuple, out: Any) -> None:
-    out.put(asyncio.run(_drive(*args)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--postgres-url",
-        default=os.environ.get(
-            "PEAGLE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-        ),
-    )
+    harness.add_service_args(ap)
     ap.add_argument(
         "--sqlite", action="store_true", help="a SQLite file instead of a scratch Postgres database"
-    )
-    ap.add_argument(
-        "--redis-url", default=os.environ.get("PEAGLE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
     ap.add_argument("--rate", type=float, default=50.0, help="project A's GET /v1/jobs per second")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
@@ -174,96 +140,57 @@ def main() -> None:
     (tmp / "models" / "verifier" / "config.json").write_text("{}")
     (tmp / "d.jsonl").write_text('{"messages": []}\n')
     url, db_name, key_a, key_b = _setup(args, tmp, queue)
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PEAGLE_DATA_DIR": str(tmp / "data"),
-        "PEAGLE_DATABASE_URL": url,
-        "PEAGLE_REDIS_URL": args.redis_url,
-        "PEAGLE_ALLOWED_MODEL_ROOTS": str(tmp / "models"),
-        "PEAGLE_ALLOWED_DATA_ROOTS": str(tmp),
-        "PEAGLE_QUEUES": f"default,{queue}",
-        "PEAGLE_PLAN_TIMEOUT_S": str(max(5, int(args.duration))),
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--no-access-log"],
-        env=env,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    ctx = mp.get_context("spawn")
+    env = harness.service_env(
+        tmp,
+        url,
+        args.redis_url,
+        PEAGLE_QUEUES=f"default,{queue}",
+        PEAGLE_PLAN_TIMEOUT_S=str(max(5, int(args.duration))),
+    )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit("the API did not become ready")
-            time.sleep(0.2)
-        victim = (base, key_a, "GET", ["/v1/jobs"], None, args.rate)
-        backend = "sqlite" if args.sqlite else "postgres"
-        out = ctx.Queue()
-        _victim_process((*victim, 3.0), out)  # warm-up, unrecorded
-        out.get()
-        for phase in ("idle", "flood"):
-            flood_out = ctx.Queue()
-            flooder = None
-            if phase == "flood":
-                flood_args = (
-                    base,
-                    key_b,
-                    str(tmp),
-                    queue,
-                    args.duration + 2,
-                    args.plan_workers,
-                    args.flood.split(","),
+        with harness.served_api(env) as base:
+            victim = (base, key_a, "GET", ["/v1/jobs"], None, args.rate)
+            backend = "sqlite" if args.sqlite else "postgres"
+            asyncio.run(harness.drive(*victim, 3.0))  # warm-up, unrecorded
+            for phase in ("idle", "flood"):
+                flooder = None
+                if phase == "flood":
+                    flood_args = (
+                        base,
+                        key_b,
+                        str(tmp),
+                        queue,
+                        args.duration + 2,
+                        args.plan_workers,
+                        args.flood.split(","),
+                    )
+                    flooder = harness.InProcess(_flood, *flood_args)
+                    time.sleep(2)  # let the flood build up before measuring
+                result = harness.InProcess(harness.drive, *victim, args.duration).result()
+                flood = None
+                if flooder is not None:
+                    # bounded: a dead flooder fails the run
+                    flood = flooder.result(timeout=args.duration + 120)
+                print(
+                    json.dumps(
+                        {
+                            "bench": "flood",
+                            "endpoint": "GET /v1/jobs",
+                            "phase": phase,
+                            **({"flood": args.flood} if phase == "flood" else {}),
+                            "backend": backend,
+                            "target_rps": args.rate,
+                            "duration_s": args.duration,
+                            **result,
+                            **({"flood_requests": flood} if flood is not None else {}),
+                        }
+                    ),
+                    flush=True,
                 )
-                flooder = ctx.Process(target=_flood_process, args=(flood_args, flood_out))
-                flooder.start()
-                time.sleep(2)  # let the flood build up before measuring
-            proc = ctx.Process(target=_victim_process, args=((*victim, args.duration), out))
-            proc.start()
-            result = out.get()
-            proc.join()
-            flood = None
-            if flooder is not None:
-                flood = flood_out.get(timeout=args.duration + 120)  # bounded: a dead flooder fails the run
-                flooder.join()
-            print(
-                json.dumps(
-                    {
-                        "bench": "flood",
-                        "endpoint": "GET /v1/jobs",
-                        "phase": phase,
-                        **({"flood": args.flood} if phase == "flood" else {}),
-                        "backend": backend,
-                        "target_rps": args.rate,
-                        "duration_s": args.duration,
-                        **result,
-                        **({"flood_requests": flood} if flood is not None else {}),
-                    }
-                ),
-                flush=True,
-            )
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
         if db_name is not None:
-            _drop_db(args.postgres_url, db_name)
-        from rq import Queue
-
-        from service.queue import redis_from_url
-
-        redis = redis_from_url(args.redis_url)
-        Queue(queue, connection=redis).empty()
-        Queue(queue, connection=redis).delete()
+            harness.drop_db(args.postgres_url, db_name)
+        harness.clear_queue(args.redis_url, queue)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def main() -> None:
     args = p.parse_args()
 
     from peagle_core.data.prepare import prepare_for_spec
-    from peagle_core.regeneration.rewrite import params_for_spec, regenerate
+    from peagle_core.regeneration.rewrite import params_for_spec, rewrite_dataset
     from peagle_core.spec import parse_spec
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
     from peagle_core.training.loop import train
@@ -45,7 +45,7 @@ def main() -> None:
 
         t0 = time.perf_counter()
         regen_out = root / "regen.jsonl"
-        regenerate(spec.verifier.name_or_path, data, regen_out, params_for_spec(spec))
+        rewrite_dataset(spec.verifier.name_or_path, data, regen_out, params_for_spec(spec))
         measured = {"regenerate": time.perf_counter() - t0}
         prepared = prepare_for_spec(spec, regen_out, root / "prepared").path
         marks: dict[str, float] = {}

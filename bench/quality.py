@@ -95,7 +95,7 @@ def main() -> None:
     from peagle_core.data.prepare import prepare_for_spec
     from peagle_core.evaluation.acceptance import evaluate, held_out_prompts
     from peagle_core.hidden_states.verifier import Verifier
-    from peagle_core.regeneration.rewrite import RegenParams, regenerate
+    from peagle_core.regeneration.rewrite import RegenParams, rewrite_dataset
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
     from peagle_core.training.loop import train
 
@@ -111,7 +111,7 @@ def main() -> None:
     if "regenerated" in runs:
         params = RegenParams(max_new_tokens=args.regen_max_new_tokens, seq_len=512, engine=args.regen_engine)
         sources["regenerated"] = work / "regenerated.jsonl"
-        report = regenerate(
+        report = rewrite_dataset(
             str(verifier_dir), sources["dataset"], sources["regenerated"], params, batch_size=64
         )
         emit(event="regenerated", engine=args.regen_engine, **report.to_dict(), loadavg=list(os.getloadavg()))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,16 +24,13 @@ from pathlib import Path
 
 import httpx
 import psutil
+from _api_harness import free_port
+
+from peagle_core.processes import stop_process
 
 
 def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_jsonl(path: Path, size_bytes: int) -> int:
@@ -95,7 +91,7 @@ def main() -> None:
         rows = write_jsonl(source, args.size_mb << 20)
         size = source.stat().st_size
 
-        port = _free_port()
+        port = free_port()
         env = {
             **os.environ,
             "PEAGLE_DATA_DIR": str(data_dir),
@@ -135,8 +131,7 @@ def main() -> None:
                 long = _measured_upload(client, headers, server.pid, long_line)
                 assert long.response.status_code == 422, long.response.text
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            stop_process(server, grace_s=30)
         mb = size / 1e6
         emit(
             bench="upload",

@@ -35,6 +35,7 @@ def main() -> None:
 
     from sqlalchemy import select
 
+    from peagle_core.processes import stop_process
     from service.crud.jobs import create_job
     from service.crud.projects import get_or_create_project
     from service.db.migrate import upgrade
@@ -42,6 +43,7 @@ def main() -> None:
     from service.db.session import session_factory
     from service.queue import enqueue_run, redis_from_url
     from service.settings import Settings
+    from worker.attempt import AttemptContext
     from worker.progress import ProgressWriter
 
     tmp = Path(tempfile.mkdtemp(prefix="peagle-bench-"))
@@ -98,15 +100,14 @@ def main() -> None:
                 time.sleep(0.05)
             time.sleep(0.5)
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        stop_process(worker, grace_s=30)
 
     with sessions() as s:
         job = create_job(s, project_id, spec, max_attempts=1)
         s.commit()
         job_id = job.id
     for step_s in args.steps_s:
-        writer = ProgressWriter(sessions, job_id, attempt=1).start()
+        writer = ProgressWriter(AttemptContext(sessions, job_id, 1)).start()
         steps = max(50, int(3.0 / step_s))
         in_report = 0.0
         t0 = time.perf_counter()

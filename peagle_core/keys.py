@@ -95,7 +95,7 @@ def regeneration_inputs(spec: JobSpec) -> dict[str, Any]:
     }
 
 
-def regeneration_key(params: Any, source_sha256: str, verifier_fp: str) -> str:
+def regenerate_key_from_params(params: Any, source_sha256: str, verifier_fp: str) -> str:
     """The regeneration of `source_sha256`'s data by the verifier `verifier_fp` with `params` (a
     `RegenParams`, or its fields as a dict)."""
     fields = params if isinstance(params, dict) else asdict(params)
@@ -103,8 +103,8 @@ def regeneration_key(params: Any, source_sha256: str, verifier_fp: str) -> str:
 
 
 def regenerate_key(spec: JobSpec, source_sha256: str, verifier_fp: str) -> str:
-    """`regeneration_key` with the spec's regeneration parameters."""
-    return regeneration_key(regeneration_inputs(spec), source_sha256, verifier_fp)
+    """`regenerate_key_from_params` with the spec's regeneration parameters."""
+    return regenerate_key_from_params(regeneration_inputs(spec), source_sha256, verifier_fp)
 
 
 def prepare_key(spec: JobSpec, source_sha256: str, verifier_fp: str) -> str:

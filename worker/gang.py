@@ -20,8 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from peagle_core.errors import PeagleError
 from peagle_core.pipeline.stages import Callbacks
 from peagle_core.spec import JobSpec, parse_spec
@@ -31,6 +29,7 @@ from service.crud import gang as gang_crud
 from service.db.session import session_factory
 from service.queue import enqueue_join, redis_from_url
 from service.settings import Settings
+from worker.attempt import AttemptContext
 from worker.job_io import write_event
 from worker.monitor import JobMonitor, stale_after_s
 from worker.multigpu import (
@@ -58,18 +57,14 @@ class GangLeader:
     def __init__(
         self,
         settings: Settings,
-        sessions: sessionmaker[Session],
-        job_id: str,
-        attempt: int,
+        ctx: AttemptContext,
         worker_name: str,
         *,
         preempted: threading.Event,
         prepared_key: Callable[[], str | None],
     ):
         self.settings = settings
-        self.sessions = sessions
-        self.job_id = job_id
-        self.attempt = attempt
+        self.ctx = ctx
         self.worker_name = worker_name
         self.preempted = preempted
         self.prepared_key = prepared_key
@@ -80,7 +75,7 @@ class GangLeader:
         res = spec.resources
         rendezvous = Rendezvous(
             endpoint=f"{self.settings.worker_address}:{free_port()}",
-            run_id=f"{self.job_id}-{self.attempt}",
+            run_id=f"{self.ctx.job_id}-{self.ctx.attempt}",
             nodes_min=res.nodes_min,
             nodes_max=res.nodes_max,
             join_timeout_s=self.settings.gang_timeout_s,
@@ -95,15 +90,15 @@ class GangLeader:
             "dataset_key": self.prepared_key(),
             "cache_dir": str(cache_dir),
         }
-        with self.sessions() as session:
-            held = gang_crud.set_gang(session, self.job_id, self.attempt, record)
+        with self.ctx.sessions() as session:
+            held = gang_crud.set_gang(session, self.ctx.job_id, self.ctx.attempt, record)
             session.commit()
         if not held:
             return PipelineResult.stopped()  # the runner finds the job lost and drops this attempt
         redis = redis_from_url(self.settings.redis_url)
         for slot in range(1, res.nodes_max):
             enqueue_join(
-                redis, self.job_id, self.attempt, slot, self._queue(spec),
+                redis, self.ctx.job_id, self.ctx.attempt, slot, self._queue(spec),
                 timeout_s=self.settings.job_timeout_s, wait_s=self.settings.gang_timeout_s,
             )  # fmt: skip
         cb.log(
@@ -114,11 +109,11 @@ class GangLeader:
             run_id=rendezvous.run_id,
         )
         try:
-            launch = RankLaunch(self.settings, self.job_id, spec, work_dir, dataset_dir, cache_dir, self.attempt,
+            launch = RankLaunch(self.settings, self.ctx.job_id, spec, work_dir, dataset_dir, cache_dir, self.ctx.attempt,
                                 self.worker_name)  # fmt: skip
             return train_distributed(launch, preempted=self.preempted, rendezvous=rendezvous)
         except PeagleError as exc:
-            if not ranks_started(work_dir, self.attempt):
+            if not ranks_started(work_dir, self.ctx.attempt):
                 raise self._incomplete(spec) from exc
             lost = self._lost_members()
             if lost:
@@ -133,8 +128,8 @@ class GangLeader:
         return spec.resources.queue
 
     def _incomplete(self, spec: JobSpec) -> PeagleError:
-        with self.sessions() as session:
-            joined = 1 + len(gang_crud.members(session, self.job_id, self.attempt))
+        with self.ctx.sessions() as session:
+            joined = 1 + len(gang_crud.members(session, self.ctx.job_id, self.ctx.attempt))
         return PeagleError(
             f"only {joined} of {_wanted(spec)} machines joined within {self.settings.gang_timeout_s:g}s "
             f"(resources.nodes={spec.resources.nodes}); start more workers on queue "
@@ -149,10 +144,11 @@ class GangLeader:
         stale_s = stale_after_s(self.settings.worker_heartbeat_s)
         deadline = time.monotonic() + stale_s + 2 * self.settings.worker_heartbeat_s
         while True:
-            with self.sessions() as session:
-                lost = gang_crud.lost_members(session, self.job_id, self.attempt, stale_s)
+            with self.ctx.sessions() as session:
+                lost = gang_crud.lost_members(session, self.ctx.job_id, self.ctx.attempt, stale_s)
                 settled = all(
-                    m.left_at is not None for m in gang_crud.members(session, self.job_id, self.attempt)
+                    m.left_at is not None
+                    for m in gang_crud.members(session, self.ctx.job_id, self.ctx.attempt)
                 )
                 session.expunge_all()
             if lost or settled or time.monotonic() > deadline:
@@ -170,38 +166,37 @@ class GangMember:
 
     def __init__(self, settings: Settings, job_id: str, attempt: int, slot: int, worker_name: str):
         self.settings = settings
-        self.job_id = job_id
-        self.attempt = attempt
+        self.ctx = AttemptContext(session_factory(settings.database_url), job_id, attempt)
         self.slot = slot
         self.worker_name = worker_name
-        self.sessions = session_factory(settings.database_url)
 
     def run(self) -> str:
         """ "stale" (the attempt moved on or the slot is taken), "unfit" (this machine has too few GPUs),
         "lost" (the job moved on while running), or "left" (its torchrun ended)."""
-        with self.sessions() as session:
-            gang = gang_crud.gang_of(session, self.job_id, self.attempt)
+        with self.ctx.sessions() as session:
+            gang = gang_crud.gang_of(session, self.ctx.job_id, self.ctx.attempt)
         spec = parse_spec(gang["spec"]) if gang is not None else None
         if spec is not None and not self._fits(spec):
             return "unfit"
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             joined = gang is not None and gang_crud.join(
-                session, self.job_id, self.attempt, self.slot, self.worker_name
+                session, self.ctx.job_id, self.ctx.attempt, self.slot, self.worker_name
             )
         if not joined or gang is None or spec is None:
             log.info(
-                "join of job %s attempt %d node %d is stale; dropped", self.job_id, self.attempt, self.slot
+                "join of job %s attempt %d node %d is stale; dropped",
+                self.ctx.job_id,
+                self.ctx.attempt,
+                self.slot,
             )
             return "stale"
         write_event(
-            self.sessions, self.job_id, self.attempt, "log",
+            self.ctx.sessions, self.ctx.job_id, self.ctx.attempt, "log",
             f"node {self.slot} joined on {self.worker_name}",
             {"kind": "gang", "node": self.slot, "worker": self.worker_name},
         )  # fmt: skip
         monitor = JobMonitor(
-            self.sessions,
-            self.job_id,
-            self.attempt,
+            self.ctx,
             heartbeat_s=self.settings.worker_heartbeat_s,
             slot=self.slot,
         ).start()
@@ -209,22 +204,25 @@ class GangMember:
         code = -1
         try:
             out_dir = self._local_dir(gang["out_dir"])
-            launch = RankLaunch(self.settings, self.job_id, spec, out_dir, self._dataset_dir(gang, out_dir),
-                                self._cache_dir(gang, out_dir), self.attempt, self.worker_name)  # fmt: skip
+            launch = RankLaunch(self.settings, self.ctx.job_id, spec, out_dir, self._dataset_dir(gang, out_dir),
+                                self._cache_dir(gang, out_dir), self.ctx.attempt, self.worker_name)  # fmt: skip
             code = run_ranks(
-                launch, result_path=out_dir / f"result-attempt{self.attempt}-node{self.slot}.json",
+                launch, result_path=out_dir / f"result-attempt{self.ctx.attempt}-node{self.slot}.json",
                 preempted=monitor.preempted, rendezvous=Rendezvous.from_dict(gang), leader=False,
                 abort=monitor.lost, node=self.slot,
             )  # fmt: skip
         except JobAbandoned:
             log.warning(
-                "job %s is no longer attempt %d's; node %d stopped", self.job_id, self.attempt, self.slot
+                "job %s is no longer attempt %d's; node %d stopped",
+                self.ctx.job_id,
+                self.ctx.attempt,
+                self.slot,
             )
             return "lost"
         finally:
             monitor.stop()
-            with self.sessions() as session:
-                gang_crud.leave(session, self.job_id, self.attempt, self.slot, code)
+            with self.ctx.sessions() as session:
+                gang_crud.leave(session, self.ctx.job_id, self.ctx.attempt, self.slot, code)
                 session.commit()
         return "left"
 
@@ -235,7 +233,7 @@ class GangMember:
             rank_device(spec.resources.gpus)
         except PeagleError as exc:
             write_event(
-                self.sessions, self.job_id, self.attempt, "log",
+                self.ctx.sessions, self.ctx.job_id, self.ctx.attempt, "log",
                 f"node {self.slot} on {self.worker_name} cannot join: {exc.message}",
                 {"kind": "gang", "worker": self.worker_name, "code": exc.code}, level="warning",
             )  # fmt: skip
@@ -248,7 +246,13 @@ class GangMember:
         path = Path(leader_dir)
         if path.is_dir():
             return path
-        own = Path(self.settings.data_dir) / "scratch" / "jobs" / self.job_id / f"attempt-{self.attempt}"
+        own = (
+            Path(self.settings.data_dir)
+            / "scratch"
+            / "jobs"
+            / self.ctx.job_id
+            / f"attempt-{self.ctx.attempt}"
+        )
         own.mkdir(parents=True, exist_ok=True)
         return own
 

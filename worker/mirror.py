@@ -17,12 +17,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from peagle_core.io import atomic_dir, atomic_write_bytes
 from service.artifacts import ArtifactStore
 from service.crud.jobs import set_resume_point
 from service.db.retry import retry_transient
+from worker.attempt import AttemptContext
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +68,7 @@ class CheckpointMirror:
     def __init__(
         self,
         store: ArtifactStore,
-        sessions: sessionmaker[Session],
-        job_id: str,
-        attempt: int,
+        ctx: AttemptContext,
         work_dir: Path,
         *,
         current_uri: str | None = None,
@@ -79,9 +76,7 @@ class CheckpointMirror:
         on_mirrored: Callable[[int], None] | None = None,
     ):
         self.store = store
-        self.sessions = sessions
-        self.job_id = job_id
-        self.attempt = attempt
+        self.ctx = ctx
         self.work_dir = work_dir
         self.poll_s = poll_s
         self.current_uri = current_uri  # the resume point recorded on the row
@@ -90,7 +85,7 @@ class CheckpointMirror:
         self.lost = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"mirror-{job_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"mirror-{ctx.job_id}", daemon=True)
 
     def start(self) -> CheckpointMirror:
         self._thread.start()
@@ -104,10 +99,10 @@ class CheckpointMirror:
             self._thread.join()
         try:
             retry_transient(
-                self.sync, tolerance_s=tolerance_s, what=f"recording a checkpoint of {self.job_id}"
+                self.sync, tolerance_s=tolerance_s, what=f"recording a checkpoint of {self.ctx.job_id}"
             )
         except Exception as exc:
-            log.error("job %s: the newest training checkpoint was not mirrored: %s", self.job_id, exc)
+            log.error("job %s: the newest training checkpoint was not mirrored: %s", self.ctx.job_id, exc)
 
     def sync(self) -> None:
         """Mirror the newest local checkpoint if it is not the recorded resume point yet."""
@@ -117,16 +112,18 @@ class CheckpointMirror:
                 return
             if self.current_uri is not None and posixpath.basename(self.current_uri) == name:
                 return  # already recorded (by this attempt, or the one it resumed from)
-            key = f"jobs/{self.job_id}/checkpoints/a{self.attempt}/{name}"
+            key = f"jobs/{self.ctx.job_id}/checkpoints/a{self.ctx.attempt}/{name}"
             files = self.store.publish_dir(self.work_dir / "checkpoints" / name, key)
-            with self.sessions() as session:
-                ours = set_resume_point(session, self.job_id, self.attempt, key, step_of(name))
+            with self.ctx.sessions() as session:
+                ours = set_resume_point(session, self.ctx.job_id, self.ctx.attempt, key, step_of(name))
                 session.commit()
             if not ours:
                 self.lost.set()
                 self.store.delete(key)
                 log.warning(
-                    "job %s: attempt %d no longer holds the job; mirror dropped", self.job_id, self.attempt
+                    "job %s: attempt %d no longer holds the job; mirror dropped",
+                    self.ctx.job_id,
+                    self.ctx.attempt,
                 )
                 return
             previous, self.current_uri = self.current_uri, key
@@ -143,4 +140,4 @@ class CheckpointMirror:
             except Exception as exc:
                 # A store or database blip, or the trainer pruned the directory mid-copy: the next poll
                 # mirrors whatever is newest then.
-                log.warning("job %s: mirroring a training checkpoint failed: %s", self.job_id, exc)
+                log.warning("job %s: mirroring a training checkpoint failed: %s", self.ctx.job_id, exc)

@@ -15,11 +15,11 @@ import signal
 import threading
 
 from redis import Redis
-from sqlalchemy.orm import Session, sessionmaker
 
 from service.crud.gang import node_heartbeat
 from service.crud.jobs import ACTIVE_STATUSES, heartbeat, holder
 from service.queue import mark_alive
+from worker.attempt import AttemptContext
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +41,15 @@ class JobMonitor:
 
     def __init__(
         self,
-        sessions: sessionmaker[Session],
-        job_id: str,
-        attempt: int,
+        ctx: AttemptContext,
         *,
         poll_s: float = 0.5,
         heartbeat_s: float = 10.0,
         redis: Redis | None = None,
         slot: int | None = None,
     ):
-        self.sessions = sessions
+        self.ctx = ctx
         self.slot = slot
-        self.job_id = job_id
-        self.attempt = attempt
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
         self.redis = redis
@@ -61,9 +57,9 @@ class JobMonitor:
         self.lost = threading.Event()
         self.preempted = threading.Event()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"monitor-{job_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"monitor-{ctx.job_id}", daemon=True)
         # Its own thread: a database call stuck in its connect timeout must not delay the Redis beat.
-        self._alive_thread = threading.Thread(target=self._run_alive, name=f"alive-{job_id}", daemon=True)
+        self._alive_thread = threading.Thread(target=self._run_alive, name=f"alive-{ctx.job_id}", daemon=True)
 
     def should_stop(self) -> bool:
         return self.cancel_requested.is_set() or self.lost.is_set() or self.preempted.is_set()
@@ -75,7 +71,7 @@ class JobMonitor:
         try:
             self.check_now()
         except Exception as exc:
-            log.warning("job monitor for %s: database check failed: %s", self.job_id, exc)
+            log.warning("job monitor for %s: database check failed: %s", self.ctx.job_id, exc)
         return self.should_stop()
 
     def stop_on_signal(self, signum: int = PREEMPT_SIGNAL) -> None:
@@ -100,20 +96,20 @@ class JobMonitor:
 
     def check_now(self) -> None:
         """Read the job row once (also used before publishing, so a late cancel is never missed)."""
-        with self.sessions() as session:
-            row = holder(session, self.job_id)
-        if row is None or row.attempt != self.attempt or row.status not in ACTIVE_STATUSES:
+        with self.ctx.sessions() as session:
+            row = holder(session, self.ctx.job_id)
+        if row is None or row.attempt != self.ctx.attempt or row.status not in ACTIVE_STATUSES:
             self.lost.set()
         elif row.status == "cancelling":
             self.cancel_requested.set()
 
     def beat(self) -> None:
         """Stamp the row's heartbeat (database time) if this attempt still holds the job."""
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             if self.slot is None:
-                ours = heartbeat(session, self.job_id, self.attempt)
+                ours = heartbeat(session, self.ctx.job_id, self.ctx.attempt)
             else:
-                ours = node_heartbeat(session, self.job_id, self.attempt, self.slot)
+                ours = node_heartbeat(session, self.ctx.job_id, self.ctx.attempt, self.slot)
             session.commit()
         if not ours:
             self.lost.set()
@@ -129,15 +125,15 @@ class JobMonitor:
                 self.check_now()
             except Exception as exc:
                 # A database blip must not kill training; the next poll retries.
-                log.warning("job monitor for %s: database check failed: %s", self.job_id, exc)
+                log.warning("job monitor for %s: database check failed: %s", self.ctx.job_id, exc)
 
     def _run_alive(self) -> None:
         assert self.redis is not None
         ttl = stale_after_s(self.heartbeat_s)
         while not self.lost.is_set():
             try:
-                mark_alive(self.redis, self.job_id, self.attempt, ttl)
+                mark_alive(self.redis, self.ctx.job_id, self.ctx.attempt, ttl)
             except Exception as exc:
-                log.warning("job %s: liveness key not refreshed: %s", self.job_id, exc)
+                log.warning("job %s: liveness key not refreshed: %s", self.ctx.job_id, exc)
             if self._done.wait(self.heartbeat_s):
                 return

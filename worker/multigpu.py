@@ -34,8 +34,10 @@ from pathlib import Path
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
 from peagle_core.pipeline.stages import PipelineResult
+from peagle_core.processes import stop_process
 from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
+from worker.attempt import AttemptContext
 from worker.job_io import error_for, event_recorder, setup_logging, write_event
 from worker.monitor import PREEMPT_SIGNAL
 from worker.rendezvous import Rendezvous
@@ -180,12 +182,7 @@ def run_ranks(
     except BaseException:
         # The horse itself is going (a timeout, an interrupt) or the job was taken from this attempt:
         # torchrun stops its ranks on SIGTERM.
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=30)
         raise
     return proc.returncode
 
@@ -328,13 +325,14 @@ def _rank_main(argv: list[str] | None = None) -> int:
         f"rank {rank} of {world_size} started",
         {"kind": "rank", "rank": rank, "world_size": world_size, "pid": os.getpid()},
     )
-    monitor = JobMonitor(sessions, args.job_id, args.attempt, heartbeat_s=float("inf"))
+    ctx = AttemptContext(sessions, args.job_id, args.attempt)
+    monitor = JobMonitor(ctx, heartbeat_s=float("inf"))
     # The horse forwards a drain's signal: stop at the next step with a checkpoint, like the horse would.
     monitor.preempted = preempted
     monitor.start()
     _announce(Path(args.pid_dir), rank)
     # Only rank 0 reports: one set of metric rows, progress and events per job.
-    progress = ProgressWriter(sessions, args.job_id, attempt=args.attempt).start() if rank == 0 else None
+    progress = ProgressWriter(ctx).start() if rank == 0 else None
     on_event = event_recorder(progress.add_event, on_stage=progress.set_stage) if progress else None
 
     try:

@@ -13,14 +13,13 @@ import queue
 import threading
 from typing import Any
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from service.crud.events import add_event
 from service.crud.jobs import set_progress
 from service.crud.metrics import add_metrics
 from service.db.jsondata import json_safe
 from service.db.models import utcnow
 from service.db.retry import retry_transient
+from worker.attempt import AttemptContext
 
 log = logging.getLogger(__name__)
 
@@ -51,22 +50,18 @@ class ProgressWriter:
 
     def __init__(
         self,
-        sessions: sessionmaker[Session],
-        job_id: str,
+        ctx: AttemptContext,
         *,
-        attempt: int,
         min_interval_s: float = 1.0,
         max_pending: int = MAX_PENDING,
     ):
         if min_interval_s <= 0:
             raise ValueError("min_interval_s must be positive")
-        self.sessions = sessions
-        self.job_id = job_id
-        self.attempt = attempt
+        self.ctx = ctx
         self.min_interval_s = min_interval_s
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"progress-{job_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"progress-{ctx.job_id}", daemon=True)
         # Owned by the writer thread after start().
         self.progress: dict[str, Any] = {"stage": "starting", "step": 0, "total_steps": None, "eta_s": None}
         self._rows: list[dict[str, Any]] = []
@@ -91,7 +86,7 @@ class ProgressWriter:
     def on_metrics(self, metrics: dict[str, Any]) -> None:
         # Metrics arrive as floats, ints or 0-d tensors, and a diverged loss is NaN: store JSON data.
         values = json_safe(metrics)
-        values["attempt"] = self.attempt
+        values["attempt"] = self.ctx.attempt
         self._put(("metrics", values, utcnow()), urgent=any(k.startswith("eval/") for k in values))
 
     def set_stage(self, stage: str) -> None:
@@ -117,7 +112,7 @@ class ProgressWriter:
         request = _Flush()
         self._put(request, urgent=True)
         if not request.done.wait(timeout):
-            raise TimeoutError(f"progress of {self.job_id} was not written within {timeout} s")
+            raise TimeoutError(f"progress of {self.ctx.job_id} was not written within {timeout} s")
         if request.error is not None:
             raise request.error
 
@@ -131,10 +126,10 @@ class ProgressWriter:
         if self._rows or self._events or self._dirty:
             try:
                 retry_transient(
-                    self._write, tolerance_s=tolerance_s, what=f"writing progress of {self.job_id}"
+                    self._write, tolerance_s=tolerance_s, what=f"writing progress of {self.ctx.job_id}"
                 )
             except Exception as exc:
-                log.error("progress of job %s could not be written: %s", self.job_id, exc)
+                log.error("progress of job %s could not be written: %s", self.ctx.job_id, exc)
 
     def _put(self, item: Any, *, urgent: bool) -> None:
         # Routine items do not wake the writer (it drains on its timer); only urgent ones do.
@@ -200,7 +195,7 @@ class ProgressWriter:
         try:
             self._write()
         except Exception as exc:  # keep the rows; the next write retries them
-            log.warning("writing progress of job %s failed: %s", self.job_id, exc)
+            log.warning("writing progress of job %s failed: %s", self.ctx.job_id, exc)
             return exc
         return None
 
@@ -209,14 +204,16 @@ class ProgressWriter:
         if not self._dirty and not self._rows and not self._events:
             return
         rows, events = list(self._rows), list(self._events)
-        with self.sessions() as session:
+        with self.ctx.sessions() as session:
             # The fenced progress update first: it locks the job row, so no newer attempt can start
             # between it and the metric rows added in the same transaction.
-            if not set_progress(session, self.job_id, dict(self.progress), attempt=self.attempt):
+            if not set_progress(session, self.ctx.job_id, dict(self.progress), attempt=self.ctx.attempt):
                 session.rollback()
                 if not self.lost.is_set():
                     log.warning(
-                        "job %s is no longer attempt %d's: progress dropped", self.job_id, self.attempt
+                        "job %s is no longer attempt %d's: progress dropped",
+                        self.ctx.job_id,
+                        self.ctx.attempt,
                     )
                 self.lost.set()
                 self._rows.clear()
@@ -224,9 +221,13 @@ class ProgressWriter:
                 self._dirty = False
                 return
             for row in rows:
-                add_metrics(session, self.job_id, row["step"], row["values"], created_at=row["created_at"])
+                add_metrics(
+                    session, self.ctx.job_id, row["step"], row["values"], created_at=row["created_at"]
+                )
             for type_, message, data, created_at, level in events:
-                add_event(session, self.job_id, type_, message, data=data, created_at=created_at, level=level)
+                add_event(
+                    session, self.ctx.job_id, type_, message, data=data, created_at=created_at, level=level
+                )
             session.commit()
         del self._rows[: len(rows)]
         del self._events[: len(events)]

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from peagle_core.data.formats import require_dataset_file
 from peagle_core.errors import CheckpointError, DataError, VerifierError
 from peagle_core.io import sha256_file
 from peagle_core.keys import PREPARE
@@ -38,6 +39,7 @@ from service.db.session import session_factory
 from service.paths import check_spec_paths
 from service.queue import redis_from_url
 from service.settings import Settings
+from worker.attempt import AttemptContext
 from worker.gang import GangLeader, NodeLost
 from worker.job_io import error_for, event_recorder, submitted_spec
 from worker.mirror import CheckpointMirror, restore
@@ -94,23 +96,18 @@ class JobRunner:
         self.attempt = job.attempt
         spec = submitted_spec(job)
         work_dir = self._work_dir()
+        ctx = AttemptContext(self.sessions, self.job_id, self.attempt)
         monitor = JobMonitor(
-            self.sessions,
-            self.job_id,
-            self.attempt,
+            ctx,
             heartbeat_s=self.settings.worker_heartbeat_s,
             redis=redis_from_url(self.settings.redis_url),
         ).start()
         monitor.stop_on_signal()
-        progress = ProgressWriter(self.sessions, self.job_id, attempt=self.attempt).start()
-        trackers = JobTrackers(
-            self.settings, self.sessions, self.store, self.job_id, job.project_id, self.attempt, spec
-        ).start()
+        progress = ProgressWriter(ctx).start()
+        trackers = JobTrackers(self.settings, ctx, self.store, job.project_id, spec).start()
         mirror = CheckpointMirror(
             self.store,
-            self.sessions,
-            self.job_id,
-            self.attempt,
+            ctx,
             work_dir,
             current_uri=job.resume_uri,
             on_mirrored=lambda nbytes: self._charge(
@@ -308,7 +305,7 @@ class JobRunner:
         )
         if spec.resources.nodes_max > 1:
             leader = GangLeader(
-                self.settings, self.sessions, self.job_id, self.attempt, self.worker_name,
+                self.settings, AttemptContext(self.sessions, self.job_id, self.attempt), self.worker_name,
                 preempted=monitor.preempted, prepared_key=lambda: self.prepared_key,
             )  # fmt: skip
             train_stage: TrainStage | None = leader.train
@@ -332,9 +329,7 @@ class JobRunner:
     def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
         """The JSONL to train on and its sha256 (the stage keys' source digest)."""
         if spec.dataset.path is not None:
-            path = Path(spec.dataset.path)
-            if not path.is_file():
-                raise DataError(f"dataset.path {path} does not exist on the worker", param="dataset.path")
+            path = require_dataset_file(spec.dataset.path, param="dataset.path", where=" on the worker")
             return path, sha256_file(path)
 
         def dataset() -> Any:

@@ -20,8 +20,6 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy.orm import Session, sessionmaker
-
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from service.crud.events import add_event
@@ -30,6 +28,7 @@ from service.crud.metrics import metrics_after
 from service.db.retry import retry_transient
 from service.settings import Settings
 from service.tracking import tensorboard_key
+from worker.attempt import AttemptContext
 from worker.usage import record as record_usage
 
 log = logging.getLogger(__name__)
@@ -205,18 +204,16 @@ class JobTrackers:
     def __init__(
         self,
         settings: Settings,
-        sessions: sessionmaker[Session],
+        ctx: AttemptContext,
         store: ArtifactStore,
-        job_id: str,
         project_id: str,
-        attempt: int,
         spec: JobSpec,
         *,
         poll_s: float = 2.0,
         finish_timeout_s: float = 300.0,
     ):
-        self.settings, self.sessions, self.store = settings, sessions, store
-        self.job_id, self.project_id, self.attempt = job_id, project_id, attempt
+        self.settings, self.ctx, self.store = settings, ctx, store
+        self.project_id = project_id
         self.spec = spec
         self.poll_s, self.finish_timeout_s = poll_s, finish_timeout_s
         self.trackers: list[Tracker] = []
@@ -225,7 +222,7 @@ class JobTrackers:
         self._pending: list[tuple[str, dict[str, Any]]] = []  # warning events the database has not taken yet
         self._warned_db = False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"trackers-{job_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"trackers-{ctx.job_id}", daemon=True)
 
     def start(self) -> JobTrackers:
         if self.spec.tracking.report_to:
@@ -240,7 +237,9 @@ class JobTrackers:
         self._thread.join(self.finish_timeout_s)
         if self._thread.is_alive():
             log.warning(
-                "job %s: trackers still busy after %.0f s; leaving them", self.job_id, self.finish_timeout_s
+                "job %s: trackers still busy after %.0f s; leaving them",
+                self.ctx.job_id,
+                self.finish_timeout_s,
             )
 
     # -- the thread --------------------------------------------------------------------------------
@@ -250,9 +249,11 @@ class JobTrackers:
 
     def _open(self, name: str) -> Tracker:
         if name == "tensorboard":
-            scratch = Path(self.settings.data_dir) / "scratch" / self.job_id
-            return TensorBoardTracker(self.store, self.job_id, scratch)
-        return MlflowTracker(self.settings, self.job_id, self.project_id, self.spec.model_dump(mode="json"))
+            scratch = Path(self.settings.data_dir) / "scratch" / self.ctx.job_id
+            return TensorBoardTracker(self.store, self.ctx.job_id, scratch)
+        return MlflowTracker(
+            self.settings, self.ctx.job_id, self.project_id, self.spec.model_dump(mode="json")
+        )
 
     def _run(self) -> None:
         try:
@@ -272,7 +273,7 @@ class JobTrackers:
         try:
             self._forward()
         except Exception as exc:
-            log.warning("job %s: trackers could not read new metrics: %s", self.job_id, exc)
+            log.warning("job %s: trackers could not read new metrics: %s", self.ctx.job_id, exc)
             if not self._warned_db:
                 self._warned_db = True
                 self._warn(
@@ -287,17 +288,17 @@ class JobTrackers:
         while self.trackers:
 
             def read(cursor: int | None = self._cursor) -> tuple[list[Any], bool]:
-                with self.sessions() as session:
-                    return metrics_after(session, self.job_id, cursor, 1000)
+                with self.ctx.sessions() as session:
+                    return metrics_after(session, self.ctx.job_id, cursor, 1000)
 
-            rows, more = self._db(read, f"reading metrics of job {self.job_id} for its trackers")
+            rows, more = self._db(read, f"reading metrics of job {self.ctx.job_id} for its trackers")
             if not rows:
                 return
             self._cursor = rows[-1].id
             batch = [
                 (r.step, r.created_at.timestamp(), numeric_values(r.values))
                 for r in rows
-                if r.values.get("attempt", self.attempt) == self.attempt
+                if r.values.get("attempt", self.ctx.attempt) == self.ctx.attempt
             ]
             for tracker in list(self.trackers):
                 self._call(tracker.name, "metrics", lambda t=tracker, b=batch: t.log_metrics(b))
@@ -309,17 +310,17 @@ class JobTrackers:
         trackers are closed all the same, and the fenced steps (publishing) then refuse on their own."""
 
         def read() -> Any:
-            with self.sessions() as session:
-                return holder(session, self.job_id)
+            with self.ctx.sessions() as session:
+                return holder(session, self.ctx.job_id)
 
         try:
-            row = self._db(read, f"reading job {self.job_id}'s status for its trackers")
+            row = self._db(read, f"reading job {self.ctx.job_id}'s status for its trackers")
         except Exception as exc:
-            log.warning("job %s: status unreadable when closing trackers: %s", self.job_id, exc)
+            log.warning("job %s: status unreadable when closing trackers: %s", self.ctx.job_id, exc)
             return None, True
         if row is None:
             return None, False
-        return row.status, row.attempt == self.attempt
+        return row.status, row.attempt == self.ctx.attempt
 
     def _close_all(self) -> None:
         status, owner = self._final_state()
@@ -335,9 +336,9 @@ class JobTrackers:
         if (
             owner and "tensorboard" in self.spec.tracking.report_to
         ):  # its event files count against the project
-            key = tensorboard_key(self.job_id)
+            key = tensorboard_key(self.ctx.job_id)
             self._call("tensorboard", "storage record", lambda: record_usage(
-                self.sessions, self.project_id, self.job_id, "tracker", key, self.store.size_under(key)))  # fmt: skip
+                self.ctx.sessions, self.project_id, self.ctx.job_id, "tracker", key, self.store.size_under(key)))  # fmt: skip
         self._flush_warnings()
 
     def _publish(self, tracker: Tracker) -> None:
@@ -346,21 +347,21 @@ class JobTrackers:
         write lock, held for the copy of a few event files.)"""
 
         def publish() -> bool:
-            with self.sessions() as session:
-                if not hold_attempt(session, self.job_id, self.attempt):
+            with self.ctx.sessions() as session:
+                if not hold_attempt(session, self.ctx.job_id, self.ctx.attempt):
                     return False
                 tracker.publish()
                 session.commit()
                 return True
 
-        if not self._db(publish, f"publishing the {tracker.name} files of job {self.job_id}"):
-            log.info("job %s: a newer attempt owns it; %s files not published", self.job_id, tracker.name)
+        if not self._db(publish, f"publishing the {tracker.name} files of job {self.ctx.job_id}"):
+            log.info("job %s: a newer attempt owns it; %s files not published", self.ctx.job_id, tracker.name)
 
     def _call(self, name: str, action: str, fn: Any) -> Any:
         try:
             return fn()
         except Exception as exc:
-            log.warning("job %s: %s tracker failed during %s: %s", self.job_id, name, action, exc)
+            log.warning("job %s: %s tracker failed during %s: %s", self.ctx.job_id, name, action, exc)
             self.trackers = [t for t in self.trackers if t.name != name]
             reason = " ".join(str(exc).split())[:300] or type(exc).__name__
             self._warn(
@@ -380,16 +381,16 @@ class JobTrackers:
             message, data = self._pending[0]
 
             def write(message: str = message, data: dict[str, Any] = data) -> bool:
-                with self.sessions() as session:
-                    if not hold_attempt(session, self.job_id, self.attempt):
+                with self.ctx.sessions() as session:
+                    if not hold_attempt(session, self.ctx.job_id, self.ctx.attempt):
                         return False
-                    add_event(session, self.job_id, "warning", message, level="warning", data=data)
+                    add_event(session, self.ctx.job_id, "warning", message, level="warning", data=data)
                     session.commit()
                     return True
 
             try:
-                self._db(write, f"writing a tracker warning of job {self.job_id}")
+                self._db(write, f"writing a tracker warning of job {self.ctx.job_id}")
             except Exception as exc:
-                log.warning("job %s: tracker warning not written yet: %s", self.job_id, exc)
+                log.warning("job %s: tracker warning not written yet: %s", self.ctx.job_id, exc)
                 return
             self._pending.pop(0)

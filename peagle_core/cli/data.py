@@ -60,11 +60,9 @@ def validate(
     ] = False,
 ) -> None:
     """Check a JSONL dataset's structure (no tokenizer); exits non-zero naming the first bad line."""
-    from peagle_core.data.formats import validate_jsonl
-    from peagle_core.errors import DataError
+    from peagle_core.data.formats import require_dataset_file, validate_jsonl
 
-    if not data.is_file():
-        raise DataError(f"dataset file {str(data)!r} does not exist", param="data")
+    require_dataset_file(data)
     typer.echo(json.dumps(validate_jsonl(data, fmt, prompts_only_ok=regenerate).to_dict()))
 
 
@@ -88,8 +86,7 @@ def regenerate(
 ) -> None:
     """Rewrite every assistant turn with the verifier, turn by turn; resumes an interrupted run."""
     from peagle_core.cli.common import fail
-    from peagle_core.regeneration.rewrite import RegenParams
-    from peagle_core.regeneration.rewrite import regenerate as run
+    from peagle_core.regeneration.rewrite import RegenParams, rewrite_dataset
 
     if engine not in ("transformers", "vllm"):
         fail(f"--engine must be transformers or vllm, not {engine!r}")
@@ -106,7 +103,7 @@ def regenerate(
     def progress(r) -> None:
         typer.echo(f"{r.conversations}/{r.total} conversations, {r.tokens_per_s:.0f} tokens/s", err=True)
 
-    report = run(
+    report = rewrite_dataset(
         verifier,
         data,
         out,

@@ -68,6 +68,17 @@ class ValidationReport:
         }
 
 
+def require_dataset_file(path: str | Path, *, param: str = "data", where: str = "") -> Path:
+    """`path` as a Path if it is a file; otherwise DataError `dataset_not_found` naming it (and `where`,
+    e.g. " on the worker") for the input `param`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(
+            f"dataset file {str(path)!r} does not exist{where}", code="dataset_not_found", param=param
+        )
+    return path
+
+
 def detect_format(obj: Any) -> Format | None:
     """The format a parsed row looks like, or None."""
     if not isinstance(obj, dict):

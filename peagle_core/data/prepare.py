@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from peagle_core.data.chat import tokenize_conversation
-from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, iter_rows
+from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, iter_rows, require_dataset_file
 from peagle_core.data.vocab import build_draft_vocab, token_counts
 from peagle_core.errors import DataError, VerifierError
 from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
@@ -153,11 +153,7 @@ def prepare_dataset(
     """
     if seq_len < _UNTRAINABLE_PREFIX + 1:
         raise DataError(f"seq_len must be >= {_UNTRAINABLE_PREFIX + 1}, got {seq_len}", param="seq_len")
-    data_path = Path(data_path)
-    if not data_path.is_file():
-        raise DataError(
-            f"dataset file {str(data_path)!r} does not exist", code="dataset_not_found", param="data"
-        )
+    data_path = require_dataset_file(data_path)
     tokenizer, config, verifier_dir = _load_tokenizer_and_config(
         str(verifier_path), revision, trust_remote_code
     )

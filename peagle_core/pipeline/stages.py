@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from peagle_core import keys as stage_keys
-from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES
+from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, require_dataset_file
 from peagle_core.errors import DataError
 from peagle_core.io import atomic_dir, sha256_file
 from peagle_core.keys import HIDDEN_STATES, PREPARE, REGENERATE
@@ -160,10 +160,7 @@ class Pipeline:
                     "dataset.id needs the service to resolve it to a file; give dataset.path", param="dataset"
                 )
             source = Path(spec.dataset.path)
-        if not source.is_file():
-            raise DataError(
-                f"dataset file {source} does not exist", code="dataset_not_found", param="dataset.path"
-            )
+        require_dataset_file(source, param="dataset.path")
         return cls(
             spec,
             store if store is not None else LocalStore(work_dir),
@@ -243,8 +240,8 @@ class Pipeline:
             params_for_spec,
             provenance_path,
             read_provenance,
+            rewrite_dataset,
         )
-        from peagle_core.regeneration.rewrite import regenerate as rewrite
 
         spec, cb = self.spec, self.cb
         params = params_for_spec(spec)
@@ -285,7 +282,7 @@ class Pipeline:
                 cb.on_progress({"regenerate": {"done": r.conversations, "total": r.total, "eta_s": eta,
                                                "tokens_per_s": round(r.tokens_per_s, 1)}, "eta_s": eta})  # fmt: skip
 
-            report = rewrite(
+            report = rewrite_dataset(
                 spec.verifier.name_or_path,
                 self.source,
                 out,

@@ -17,10 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from peagle_core.data.chat import encode, render
-from peagle_core.data.formats import Row, iter_rows
+from peagle_core.data.formats import Row, iter_rows, require_dataset_file
 from peagle_core.errors import DataError
 from peagle_core.io import atomic_write_bytes, atomic_write_json, sha256_file
-from peagle_core.keys import REGEN_VERSION, regeneration_inputs, regeneration_key, verifier_fingerprint
+from peagle_core.keys import (
+    REGEN_VERSION,
+    regenerate_key_from_params,
+    regeneration_inputs,
+    verifier_fingerprint,
+)
 from peagle_core.regeneration.generators import Engine, Generator, open_generator
 
 if TYPE_CHECKING:
@@ -240,7 +245,7 @@ class _WorkLog:
             self.records[int(r["i"])] = r
 
 
-def regenerate(
+def rewrite_dataset(
     verifier: str,
     data_path: str | Path,
     out: str | Path,
@@ -261,14 +266,10 @@ def regenerate(
     reuse, else one is started for this call. `should_stop` is checked before each batch of generations.
     """
     out = Path(out)
-    data_path = Path(data_path)
-    if not data_path.is_file():
-        raise DataError(
-            f"dataset file {str(data_path)!r} does not exist", code="dataset_not_found", param="data"
-        )
+    data_path = require_dataset_file(data_path)
     source_sha = sha256_file(data_path)
     verifier_fp = verifier_fp or verifier_fingerprint(verifier, revision)
-    fp = regeneration_key(params, source_sha, verifier_fp)
+    fp = regenerate_key_from_params(params, source_sha, verifier_fp)
     prov = read_provenance(out)
     if prov is not None and prov.get("fingerprint") == fp:
         return RegenReport(**{**prov["counts"], "fingerprint": fp, "reused": True, "status": "completed"})

@@ -126,7 +126,7 @@ def export_checkpoint(
 
     This is the one place an export is checked: against the contract and, given `verifier_config`
     (an HF config or dict), against the verifier it will be served with; CheckpointError lists every
-    problem. Then `serving(tmp_dir)` (the vLLM gate, `serving_check.check_in_vllm`) runs on the finished
+    problem. Then `serving(tmp_dir)` (the vLLM gate, `peagle_core.serving.gate.check_in_vllm`) runs on the finished
     files; its NotServableError also leaves nothing at `out_dir`. Its result is saved as serving.json
     and shown on the model card. `dtype` is the float tensors' dtype (`export.dtype`).
     """

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from peagle_core.processes import stop_process
 from peagle_core.serving.export import serve_command
 from tests.fixtures.servers import free_port, wait_until_healthy
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
@@ -48,12 +49,7 @@ def vllm_server(exported_drafters, toy_verifier_dir: Path, tmp_path_factory: pyt
         wait_until_healthy(f"{url}/health", proc, log, timeout_s=600)
         yield url, command
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace_s=60)
 
 
 def test_the_printed_serve_command_answers_with_the_verifier_greedy_answer(

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from peagle_core.processes import stop_process
+
 REPO = Path(__file__).resolve().parents[2]
 PEAGLE = [sys.executable, "-m", "cli"]
 
@@ -170,12 +172,8 @@ class Stack:
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        for p in self.procs:  # all asked to stop first, so they stop side by side
+            stop_process(p, grace_s=30)
 
 
 @pytest.fixture

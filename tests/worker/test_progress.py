@@ -14,6 +14,7 @@ from sqlalchemy import select
 from service.crud import jobstate
 from service.db.models import Job, JobMetric
 from service.db.session import session_factory
+from worker.attempt import AttemptContext
 from worker.progress import ProgressWriter
 
 
@@ -73,7 +74,7 @@ def step(n: int, **extra: Any) -> dict[str, Any]:
 def test_writes_happen_off_the_training_thread_in_few_transactions(job) -> None:
     sessions, job_id = job
     recording = RecordingSessions(sessions)
-    writer = ProgressWriter(recording, job_id, attempt=1, min_interval_s=3600).start()
+    writer = ProgressWriter(AttemptContext(recording, job_id, 1), min_interval_s=3600).start()
     writer.set_stage("train")
     for n in range(1, 101):
         writer.on_metrics(step(n))
@@ -100,7 +101,7 @@ def test_writes_happen_off_the_training_thread_in_few_transactions(job) -> None:
 
 def test_eval_metrics_are_written_without_waiting_for_the_interval(job) -> None:
     sessions, job_id = job
-    writer = ProgressWriter(sessions, job_id, attempt=1, min_interval_s=3600).start()
+    writer = ProgressWriter(AttemptContext(sessions, job_id, 1), min_interval_s=3600).start()
     try:
         for n in range(1, 4):
             writer.on_metrics(step(n))
@@ -114,7 +115,7 @@ def test_eval_metrics_are_written_without_waiting_for_the_interval(job) -> None:
 def test_a_stalled_database_does_not_block_the_training_thread(job) -> None:
     sessions, job_id = job
     recording = RecordingSessions(sessions)
-    writer = ProgressWriter(recording, job_id, attempt=1, min_interval_s=3600).start()
+    writer = ProgressWriter(AttemptContext(recording, job_id, 1), min_interval_s=3600).start()
     recording.gate.clear()
     try:
         # Evaluation metrics first: they are written at once, so the writer enters the stalled database.
@@ -136,7 +137,7 @@ def test_a_stalled_database_does_not_block_the_training_thread(job) -> None:
 def test_a_full_queue_applies_back_pressure_instead_of_dropping(job) -> None:
     sessions, job_id = job
     recording = RecordingSessions(sessions)
-    writer = ProgressWriter(recording, job_id, attempt=1, min_interval_s=3600, max_pending=4).start()
+    writer = ProgressWriter(AttemptContext(recording, job_id, 1), min_interval_s=3600, max_pending=4).start()
     recording.gate.clear()
     trainer = threading.Thread(target=lambda: [writer.on_metrics(step(n)) for n in range(1, 21)])
     trainer.start()
@@ -151,7 +152,7 @@ def test_a_full_queue_applies_back_pressure_instead_of_dropping(job) -> None:
 def test_a_failed_write_is_reported_by_flush_and_retried(job) -> None:
     sessions, job_id = job
     recording = RecordingSessions(sessions)
-    writer = ProgressWriter(recording, job_id, attempt=1, min_interval_s=3600).start()
+    writer = ProgressWriter(AttemptContext(recording, job_id, 1), min_interval_s=3600).start()
     try:
         recording.failures = 1
         writer.on_metrics(step(1))
@@ -166,7 +167,7 @@ def test_a_failed_write_is_reported_by_flush_and_retried(job) -> None:
 
 def test_a_stale_attempt_writes_nothing(job) -> None:
     sessions, job_id = job
-    writer = ProgressWriter(sessions, job_id, attempt=1, min_interval_s=3600).start()
+    writer = ProgressWriter(AttemptContext(sessions, job_id, 1), min_interval_s=3600).start()
     try:
         writer.on_metrics(step(1))
         writer.flush()

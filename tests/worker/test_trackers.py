@@ -208,6 +208,7 @@ def test_trackers_ride_out_a_database_outage_and_are_always_closed(
     from service.db.models import JobEvent
     from service.db.session import dispose_engines, session_factory
     from tests.fixtures.pg_cluster import PrivatePostgres, postgres_bindir
+    from worker.attempt import AttemptContext
     from worker.trackers import JobTrackers
 
     bindir = postgres_bindir()
@@ -223,7 +224,9 @@ def test_trackers_ride_out_a_database_outage_and_are_always_closed(
         store = ArtifactStore(f"memory://trackers-{uuid.uuid4().hex[:8]}")  # remote: files are published
         job_id, project_id, spec = _claimed_job(sessions, ["tensorboard", "mlflow"])
         last = _log_steps(sessions, job_id, range(1, 6))
-        trackers = JobTrackers(settings, sessions, store, job_id, project_id, 1, spec, poll_s=0.2).start()
+        trackers = JobTrackers(
+            settings, AttemptContext(sessions, job_id, 1), store, project_id, spec, poll_s=0.2
+        ).start()
         _until("the first rows forwarded", lambda: trackers._cursor == last)
 
         pg.stop()
@@ -268,6 +271,7 @@ def test_a_stale_attempts_trackers_write_nothing(
     from service.db.models import JobEvent
     from service.db.session import session_factory
     from service.tracking import tensorboard_key
+    from worker.attempt import AttemptContext
     from worker.trackers import JobTrackers
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the refused connection fails at once
@@ -282,7 +286,9 @@ def test_a_stale_attempts_trackers_write_nothing(
         s.commit()
 
     def run(attempt: int) -> list[Any]:
-        trackers = JobTrackers(settings, sessions, store, job_id, project_id, attempt, spec, poll_s=0.1)
+        trackers = JobTrackers(
+            settings, AttemptContext(sessions, job_id, attempt), store, project_id, spec, poll_s=0.1
+        )
         trackers.start().finish()
         with sessions() as s:
             return list(

@@ -280,3 +280,23 @@ def test_prepared_data_key_follows_the_verifiers_content(toy_verifier_dir: Path,
     # Other content (a new chat template changes every assistant mask): not the same prepared data.
     (copy / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert verifier_fingerprint(copy) != verifier_fingerprint(toy_verifier_dir)
+
+
+def test_a_missing_dataset_file_is_named_the_same_way_everywhere(tmp_path: Path) -> None:
+    from peagle_core.data.formats import require_dataset_file
+    from peagle_core.regeneration.rewrite import RegenParams, rewrite_dataset
+
+    missing = tmp_path / "missing.jsonl"
+    assert require_dataset_file(_write(tmp_path / "ok.jsonl", [{"input_ids": [1]}])) == tmp_path / "ok.jsonl"
+    with pytest.raises(
+        DataError, match=r"^dataset file '.*missing\.jsonl' does not exist on the worker$"
+    ) as exc:
+        require_dataset_file(str(missing), param="dataset.path", where=" on the worker")
+    assert (exc.value.code, exc.value.param) == ("dataset_not_found", "dataset.path")
+    for call in (
+        lambda: prepare_dataset("unused-verifier", missing, tmp_path / "out", 64),
+        lambda: rewrite_dataset("unused-verifier", missing, tmp_path / "out.jsonl", RegenParams()),
+    ):
+        with pytest.raises(DataError, match="does not exist") as exc:
+            call()
+        assert (exc.value.code, exc.value.param) == ("dataset_not_found", "data")

@@ -19,8 +19,8 @@ from peagle_core.regeneration.generators import TransformersGenerator
 from peagle_core.regeneration.rewrite import (
     RegenParams,
     provenance_path,
-    regenerate,
     rewrite_conversations,
+    rewrite_dataset,
     work_log_path,
 )
 
@@ -44,7 +44,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path, 
     """One uninterrupted transformers run: what every other run must reproduce."""
     out = tmp_path_factory.mktemp("regen_ref") / "out.jsonl"
     torch.set_num_threads(1)
-    regenerate(str(toy_verifier_dir), chat_data, out, RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128))
+    rewrite_dataset(
+        str(toy_verifier_dir), chat_data, out, RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128)
+    )
     return out
 
 
@@ -97,7 +99,9 @@ def test_prompts_only_conversations_get_an_answer_after_each_user_turn(
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompts))
     out = tmp_path / "answered.jsonl"
-    report = regenerate(str(toy_verifier_dir), data, out, RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128))
+    report = rewrite_dataset(
+        str(toy_verifier_dir), data, out, RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128)
+    )
     assert report.written == 4
     rows = [row for _, row in iter_rows(out)]  # trainable as it is: every row now has answers
     multi_turn = 0
@@ -116,7 +120,7 @@ def test_prompts_only_conversations_get_an_answer_after_each_user_turn(
 
 def test_a_second_run_reuses_the_result(reference: Path, chat_data: Path, toy_verifier_dir: Path) -> None:
     before = reference.stat().st_mtime_ns
-    report = regenerate(
+    report = rewrite_dataset(
         str(toy_verifier_dir), chat_data, reference, RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128)
     )
     assert report.reused and report.written == ROWS
@@ -158,7 +162,7 @@ def test_the_summary_counts_skipped_conversations(
     toy_verifier_dir: Path, chat_data: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "short.jsonl"
-    report = regenerate(str(toy_verifier_dir), chat_data, out, RegenParams(max_new_tokens=2, seq_len=24))
+    report = rewrite_dataset(str(toy_verifier_dir), chat_data, out, RegenParams(max_new_tokens=2, seq_len=24))
     assert report.skipped_prompt_too_long > 0 and report.hit_max_new_tokens == report.turns > 0
     assert report.written + report.dropped_conversations == ROWS
     assert len(out.read_text().splitlines()) == report.written
@@ -201,7 +205,7 @@ def test_vllm_and_transformers_write_the_same_text_at_temperature_0(
     out = tmp_path / "vllm.jsonl"
     # fp32 in both engines: equal text needs equal numerics (vLLM's `auto` is bf16 where bf16 is fast)
     params = RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128, engine="vllm", dtype="float32")
-    report = regenerate(str(toy_verifier_dir), chat_data, out, params, vllm_engine=vllm_engine)
+    report = rewrite_dataset(str(toy_verifier_dir), chat_data, out, params, vllm_engine=vllm_engine)
     assert report.turns > 0 and report.generated_tokens > 0
     assert out.read_text() == reference.read_text()
 
