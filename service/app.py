@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from service.api import errors
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.fair_share import FairShareMiddleware
 from service.api.quotas import StreamSlots
+from service.api.request_text import check_request_text
 from service.api.routes import checkpoints, datasets, health, jobs, plans, tracking
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
@@ -48,6 +49,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Train P-EAGLE speculative-decoding drafters as a service.",
         lifespan=lifespan,
+        # Every route's path and query strings pass the one text rule before anything reads them.
+        dependencies=[Depends(check_request_text)],
     )
     app.state.settings = settings
     app.state.sessions = session_factory(settings.database_url)

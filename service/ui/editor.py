@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from peagle_core.documents import DocumentError, load_yaml
 from peagle_core.spec import JobSpec, SpecError, parse_spec
 from service.api.errors import ApiError
 from service.api.quotas import check_queue
@@ -87,7 +88,9 @@ def parse_yaml(text: str) -> tuple[dict[str, Any] | None, FieldErrors]:
             [FieldError("", f"the spec is longer than {MAX_SPEC_CHARS} characters", None)]
         )
     try:
-        data = yaml.load(text, Loader=_LOADER)  # a safe loader (CSafeLoader or SafeLoader)
+        data = load_yaml(text, _LOADER)  # a safe loader (CSafeLoader or SafeLoader)
+    except DocumentError as exc:
+        return None, FieldErrors([FieldError("", str(exc), None)])
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)

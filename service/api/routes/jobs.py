@@ -18,7 +18,10 @@ from service.api import schemas
 from service.api.dataset_checks import dataset_for_spec
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
 from service.api.errors import ApiError, not_found
+from service.api.json_body import JsonBodyRoute
 from service.api.quotas import StreamSlots, check_new_job, check_queue
+from service.api.request_text import MAX_IDEMPOTENCY_KEY_CHARS
+from service.api.request_text import idempotency_key as checked_idempotency_key
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import events as events_crud
 from service.crud import idempotency, jobstate
@@ -31,7 +34,7 @@ from service.paths import check_spec_paths
 from service.queue import enqueue_run
 
 log = logging.getLogger("peagle.api")
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=JsonBodyRoute)
 
 _ERRORS = schemas.error_responses(401, 404, 422)
 MAX_ROW_ID = (1 << 63) - 1  # event and metric ids are BIGINTs: a larger cursor is a 422, not an overflow
@@ -68,8 +71,13 @@ def create_job(
     redis: RedisConn,
     settings: AppSettings,
     project: CurrentProject,
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    idempotency_key: Annotated[
+        str | None,
+        # Its length and characters are checked by `request_text.idempotency_key` (the dashboard's too).
+        Header(description=f"A retry token of at most {MAX_IDEMPOTENCY_KEY_CHARS} characters."),
+    ] = None,
 ) -> schemas.Job:
+    idempotency_key = checked_idempotency_key(idempotency_key)
     spec = check_spec_paths(body.spec, settings, project_id=project.id)
     check_queue(settings, spec.resources.queue)
     if "mlflow" in spec.tracking.report_to and not settings.mlflow_tracking_uri:

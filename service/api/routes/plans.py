@@ -21,6 +21,7 @@ from service.api import schemas
 from service.api.dataset_checks import dataset_for_spec
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn
 from service.api.errors import ApiError, envelope, not_found
+from service.api.json_body import JsonBodyRoute
 from service.api.quotas import check_new_plan, check_queue
 from service.crud import plans as plans_crud
 from service.db.models import Plan, utcnow
@@ -29,7 +30,7 @@ from service.queue import enqueue_plan, plan_outcome, withdraw_plan
 from service.redact import redact_paths
 
 log = logging.getLogger("peagle.api")
-router = APIRouter(tags=["plans"])
+router = APIRouter(tags=["plans"], route_class=JsonBodyRoute)
 _POLL_S = 0.25
 # A plan RQ does not know yet may still be on its way there (the row is committed before the enqueue).
 _ENQUEUE_GRACE = timedelta(seconds=30)
