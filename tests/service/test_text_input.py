@@ -121,7 +121,9 @@ def test_prompts_keep_what_a_model_may_see(client, auth, spec, text) -> None:
     "key", [NUL, ESCAPE, "a\nb", DEL_C1, "k" * 256], ids=["nul", "esc", "newline", "c1", "long"]
 )
 def test_a_bad_idempotency_key_is_422_naming_the_header(client, auth, spec, key) -> None:
-    r = client.post("/v1/jobs", json={"spec": spec}, headers={**auth, "Idempotency-Key": key.encode("latin-1")})
+    r = client.post(
+        "/v1/jobs", json={"spec": spec}, headers={**auth, "Idempotency-Key": key.encode("latin-1")}
+    )
     _refused(r, "Idempotency-Key")
 
 
