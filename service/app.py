@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Depends, FastAPI
 
 from service.api import errors
+from service.api.actions import is_dataset_upload
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.fair_share import FairShareMiddleware
 from service.api.quotas import StreamSlots
@@ -28,11 +29,6 @@ from service.ui.session import COOKIE as SESSION_COOKIE
 def _job_counts(sessions: Any) -> dict[str, int]:
     with sessions() as db:
         return count_by_status(db)
-
-
-def _is_upload(method: str, path: str) -> bool:
-    # Dataset uploads stream to disk under their own cap (PEAGLE_MAX_UPLOAD_BYTES).
-    return method == "POST" and path.rstrip("/") == "/v1/datasets"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -69,7 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         functools.partial(queue_depths, app.state.redis, settings.queues),
     )
     errors.install(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=_is_upload)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=is_dataset_upload)
     app.add_middleware(
         FairShareMiddleware, limit=settings.max_writes_in_flight_per_caller, cookie_name=SESSION_COOKIE
     )

@@ -1,22 +1,21 @@
 """What the dashboard's scripts and links fetch with the session cookie: metric series, the live event
-stream, dataset upload, and downloads. Each is the REST route's own function, called with the signed-in
-project, so scoping and answers are the API's."""
+stream, dataset upload, and downloads. Each is the REST route's own function, or the action it calls
+(`service.api.actions`), with the signed-in project, so scoping, limits and answers are the API's."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from service.api import schemas
+from service.api import actions, schemas
 from service.api.deps import DB, AppSettings, Sessions, Store
 from service.api.errors import not_found
 from service.api.routes import checkpoints as checkpoints_api
-from service.api.routes import datasets as datasets_api
 from service.api.routes import jobs as jobs_api
 from service.api.routes import tracking as tracking_api
 from service.crud import jobs as jobs_crud
@@ -86,9 +85,11 @@ async def upload_dataset(
     store: Store,
     settings: AppSettings,
     project: UiProject,
-    format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
+    format: Annotated[actions.DataFormat, Query()] = "auto",
 ) -> schemas.Dataset:
-    return await datasets_api.upload_dataset(request, db, store, settings, project, format)
+    upload = actions.UploadDataset(project=project, request=request, format=format)
+    row = await actions.upload_dataset(upload, db=db, store=store, settings=settings)
+    return schemas.Dataset.model_validate(row)
 
 
 @router.get("/checkpoints/{checkpoint_id}/archive")
