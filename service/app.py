@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI
 
 from service.api import errors
 from service.api.actions import is_dataset_upload
+from service.api.auth_limit import build_limiter
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.fair_share import FairShareMiddleware
 from service.api.quotas import StreamSlots
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = store
     app.state.metrics = Metrics()
     app.state.streams = StreamSlots(settings.max_streams_per_key)
+    app.state.auth_limiter = build_limiter(settings, app.state.redis)
     app.state.metrics.track_state(
         functools.partial(_job_counts, app.state.sessions),
         functools.partial(queue_depths, app.state.redis, settings.queues),

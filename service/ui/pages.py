@@ -14,6 +14,7 @@ from fastapi import APIRouter, Form, Query, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from service.api import actions
+from service.api.auth_limit import AuthLimiter, client_address
 from service.api.deps import DB, AppSettings, RedisConn, Store
 from service.api.errors import ApiError
 from service.crud import checkpoints as checkpoints_crud
@@ -63,8 +64,20 @@ def login(
     next: Annotated[str, Form(max_length=2000)] = "/ui/",
 ) -> Response:
     check_csrf(session, csrf_token)
+    # The API's limiter: failed sign-ins and failed bearer keys from one address count together.
+    limiter: AuthLimiter = request.app.state.auth_limiter
+    source = client_address(request.client)
+    try:
+        limiter.check(source)
+    except ApiError as exc:
+        page = views.render(
+            request, "login.html", session, status_code=429, next=_safe_next(next), error=exc.message
+        )
+        page.headers.update(exc.headers or {})
+        return page
     key = live_key(db, api_key.strip())
     if key is None:
+        limiter.failed(source)
         return views.render(
             request,
             "login.html",
