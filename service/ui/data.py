@@ -72,10 +72,13 @@ def events(
     settings: AppSettings,
     project: UiProject,
     after: Annotated[int | None, Query(ge=0, le=jobs_api.MAX_ROW_ID)] = None,
-    last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+    last_event_id: Annotated[str | None, Header()] = None,  # checked as the API's: `last_event_id_of`
 ):
     """JSON page, or with `Accept: text/event-stream` (an EventSource) the live stream until the job ends."""
-    return jobs_api.job_events(job_id, request, db, sessions, settings, project, after, 1000, last_event_id)
+    query = jobs_api.EventsQuery(
+        project=project, job_id=job_id, after=after, limit=1000, last_event_id=last_event_id
+    )
+    return jobs_api.events_answer(query, request=request, db=db, sessions=sessions, settings=settings)
 
 
 @router.post("/data/datasets", response_model=schemas.Dataset, status_code=201, dependencies=[CsrfHeader])
@@ -94,7 +97,7 @@ async def upload_dataset(
 
 @router.get("/checkpoints/{checkpoint_id}/archive")
 def checkpoint_archive(checkpoint_id: str, db: DB, store: Store, project: UiProject):
-    return checkpoints_api.archive(checkpoint_id, db, store, project)
+    return checkpoints_api.archive(checkpoint_id=checkpoint_id, db=db, store=store, project=project)
 
 
 @router.get("/checkpoints/{checkpoint_id}/files/{name}")
@@ -105,11 +108,19 @@ def checkpoint_file(
     db: DB,
     store: Store,
     project: UiProject,
-    range: Annotated[str | None, Header(max_length=200)] = None,
+    range: Annotated[str | None, Header()] = None,  # parsed as the API's: `parse_range`
 ):
-    return checkpoints_api.file(checkpoint_id, name, request, db, store, project, range)
+    return checkpoints_api.file(
+        checkpoint_id=checkpoint_id,
+        name=name,
+        request=request,
+        db=db,
+        store=store,
+        project=project,
+        range=range,
+    )
 
 
 @router.get("/jobs/{job_id}/tensorboard")
 def tensorboard(job_id: str, db: DB, store: Store, project: UiProject):
-    return tracking_api.tensorboard_archive(job_id, db, store, project)
+    return tracking_api.tensorboard_archive(job_id=job_id, db=db, store=store, project=project)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
 
 from service.api import actions, schemas
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
@@ -23,7 +25,8 @@ from service.crud import jobs as jobs_crud
 from service.crud import jobstate
 from service.crud import metrics as metrics_crud
 from service.crud.projects import key_is_live
-from service.db.models import Job
+from service.db.models import Job, Project
+from service.settings import Settings
 
 log = logging.getLogger("peagle.api")
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=JsonBodyRoute)
@@ -152,10 +155,31 @@ def job_events(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> schemas.EventList | StreamingResponse:
-    _job_or_404(db, project.id, job_id)
+    query = EventsQuery(project=project, job_id=job_id, after=after, limit=limit, last_event_id=last_event_id)
+    return events_answer(query, request=request, db=db, sessions=sessions, settings=settings)
+
+
+@dataclass(frozen=True)
+class EventsQuery:
+    """What a client asks of a job's events, at either door (the API, the dashboard's live page)."""
+
+    project: Project
+    job_id: str
+    after: int | None = None
+    limit: int = 100
+    last_event_id: str | None = None  # the raw header: a reconnecting EventSource's resume point
+
+
+def events_answer(
+    query: EventsQuery, *, request: Request, db: Session, sessions: Sessions, settings: Settings
+) -> schemas.EventList | StreamingResponse:
+    """A JSON page of events, or with `Accept: text/event-stream` the live stream until the job ends (one
+    of the key's capped stream slots held while it is open)."""
+    job_id = query.job_id
+    _job_or_404(db, query.project.id, job_id)
     if "text/event-stream" in request.headers.get("accept", ""):
-        resume = last_event_id_of(last_event_id)
-        start = after if resume is None else resume
+        resume = last_event_id_of(query.last_event_id)
+        start = query.after if resume is None else resume
         key_hash: str = request.state.key_hash
         slots: StreamSlots = request.app.state.streams
         slots.acquire(key_hash)
@@ -165,7 +189,7 @@ def job_events(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    rows, has_more = events_crud.events_after(db, job_id, after, limit)
+    rows, has_more = events_crud.events_after(db, job_id, query.after, query.limit)
     return schemas.EventList.of(rows, has_more)
 
 
