@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from service.api import errors
+from service.api import errors, schemas
 from service.api.actions import is_dataset_upload
 from service.api.auth_limit import build_limiter
 from service.api.body_limit import BodyLimitMiddleware
@@ -75,4 +75,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, plans, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)
     install_ui(app)
+    schemas.document_envelope_422(app)
     return app
