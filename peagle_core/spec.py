@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -15,13 +15,16 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
 )
 
+from peagle_core.documents import DocumentError, load_json_document, load_yaml, number_problem
 from peagle_core.errors import PeagleError
 from peagle_core.model.config import DEFAULT_DRAFT_VOCAB_SIZE, DrafterSettings, ascending_layer_ids
+from peagle_core.text import text_problem
 
 _QUEUE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 # Upper bounds on what a client may ask for: far above any real job, low enough that a hostile or mistyped
@@ -41,6 +44,30 @@ class _Strict(BaseModel):
     # Unknown keys are errors: a typo in a spec must never be silently ignored. NaN and infinities are
     # refused in every float field (`grad_clip: .inf` is a typo for "no clipping", which is `null`).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # Fields holding text a model reads (prompts): tabs and newlines allowed. Every other string is a name.
+    free_text_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable_text(cls, v: Any, info: ValidationInfo) -> Any:
+        # One rule for every string of every spec model (peagle_core.text): what Postgres, a JSON answer
+        # or a tokenizer cannot hold is refused here, naming the field, instead of failing where stored.
+        problem = _text_problem_in(v, free_text=info.field_name in cls.free_text_fields)
+        if problem is not None:
+            raise ValueError(problem)
+        return v
+
+
+def _text_problem_in(value: Any, *, free_text: bool) -> str | None:
+    """The first text problem in a field's value: a string, or the strings of a list (nested models check
+    their own fields)."""
+    if isinstance(value, str):
+        return text_problem(value, free_text=free_text)
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if (problem := _text_problem_in(item, free_text=free_text)) is not None:
+                return f"item {i}: {problem}"
+    return None
 
 
 class VerifierSpec(_Strict):
@@ -231,12 +258,16 @@ class TrainingSpec(_Strict):
 class EvalPrompt(_Strict):
     """An evaluation prompt with the category its figures are grouped under (e.g. MT-Bench's)."""
 
+    free_text_fields: ClassVar[frozenset[str]] = frozenset({"prompt"})
+
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     category: str | None = Field(default=None, min_length=1, max_length=MAX_CATEGORY_CHARS)
 
 
 class EvaluationSpec(_Strict):
     """Acceptance-length evaluation against the verifier on held-out prompts."""
+
+    free_text_fields: ClassVar[frozenset[str]] = frozenset({"prompts"})
 
     prompts: int | list[Annotated[str, Field(min_length=1)] | EvalPrompt] = Field(
         default=16,
@@ -456,7 +487,7 @@ def validation_errors(exc: ValidationError) -> list[tuple[str, str]]:
     out = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = number_problem(err.get("input")) or err["msg"].removeprefix("Value error, ")
         out.append((loc, msg))
     return out
 
@@ -479,7 +510,9 @@ def load_spec(path: str | Path) -> JobSpec:
     except OSError as exc:
         raise SpecError([("", f"cannot read spec file {p}: {exc.strerror}")]) from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = load_json_document(text) if p.suffix == ".json" else load_yaml(text)
+    except DocumentError as exc:
+        raise SpecError([("", f"{p}: {exc}")]) from None
     except json.JSONDecodeError as exc:
         raise SpecError([("", f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}")]) from None
     except yaml.YAMLError as exc:

@@ -7,12 +7,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
-from service.api import errors
+from service.api import errors, schemas
+from service.api.actions import is_dataset_upload
+from service.api.auth_limit import build_limiter
 from service.api.body_limit import BodyLimitMiddleware
 from service.api.fair_share import FairShareMiddleware
 from service.api.quotas import StreamSlots
+from service.api.request_text import check_request_text
 from service.api.routes import checkpoints, datasets, health, jobs, plans, tracking
 from service.artifacts import ArtifactStore
 from service.crud.jobs import count_by_status
@@ -29,11 +32,6 @@ def _job_counts(sessions: Any) -> dict[str, int]:
         return count_by_status(db)
 
 
-def _is_upload(method: str, path: str) -> bool:
-    # Dataset uploads stream to disk under their own cap (PEAGLE_MAX_UPLOAD_BYTES).
-    return method == "POST" and path.rstrip("/") == "/v1/datasets"
-
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; nothing connects until the first request, so a down DB gives 503s, not a crash."""
     settings = settings or get_settings()
@@ -48,6 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Train P-EAGLE speculative-decoding drafters as a service.",
         lifespan=lifespan,
+        # Every route's path and query strings pass the one text rule before anything reads them.
+        dependencies=[Depends(check_request_text)],
     )
     app.state.settings = settings
     app.state.sessions = session_factory(settings.database_url)
@@ -61,12 +61,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = store
     app.state.metrics = Metrics()
     app.state.streams = StreamSlots(settings.max_streams_per_key)
+    app.state.auth_limiter = build_limiter(settings, app.state.redis)
     app.state.metrics.track_state(
         functools.partial(_job_counts, app.state.sessions),
         functools.partial(queue_depths, app.state.redis, settings.queues),
     )
     errors.install(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=_is_upload)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=is_dataset_upload)
     app.add_middleware(
         FairShareMiddleware, limit=settings.max_writes_in_flight_per_caller, cookie_name=SESSION_COOKIE
     )
@@ -74,4 +75,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, plans, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)
     install_ui(app)
+    schemas.document_envelope_422(app)
     return app

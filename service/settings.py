@@ -200,6 +200,22 @@ class Settings(BaseSettings):
         default=12 * 3600, ge=60, le=30 * 24 * 3600, description="How long a dashboard sign-in lasts."
     )
 
+    auth_failures_max: int = Field(
+        default=10,
+        ge=1,
+        le=100_000,
+        description="Failed API-key attempts (API bearer or dashboard sign-in) one client address may make "
+        "per window; more: 429 with Retry-After until the window ends. Other addresses are unaffected.",
+    )
+    auth_failures_window_s: int = Field(
+        default=300, ge=1, le=86_400, description="The window of auth_failures_max, in seconds."
+    )
+    auth_failures_store: Literal["auto", "redis", "memory"] = Field(
+        default="auto",
+        description="Where failed-attempt counters live: redis (shared by every API process; in memory "
+        "while Redis is down), memory (per process), or auto (redis when PEAGLE_REDIS_URL is set).",
+    )
+
     events_poll_s: float = Field(
         default=0.5, gt=0, description="How often an SSE event stream polls the database for new events."
     )

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from peagle_core.documents import DocumentError, load_json_line
 from peagle_core.errors import DataError
+from peagle_core.text import first_text_problem
 
 Format = Literal["messages", "sharegpt", "tokenized"]
 FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokenized")
@@ -21,6 +23,8 @@ FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokenized")
 # reader needs. 8 MiB holds a 131072-token pre-tokenized row or ~2M characters of chat several times over.
 DEFAULT_MAX_LINE_BYTES = 8 << 20
 MAX_CATEGORY_CHARS = 200
+# Token ids travel as int32 in packed batches and caches; no vocabulary comes near it.
+MAX_TOKEN_ID = (1 << 31) - 1
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -157,6 +161,11 @@ def _tokenized(obj: dict[str, Any], line: int) -> Row:
         raise DataError(f"line {line}: empty 'input_ids'", param=f"line {line}")
     if any(t < 0 for t in ids):
         raise DataError(f"line {line}: 'input_ids' has a negative id", param=f"line {line}")
+    if any(t > MAX_TOKEN_ID for t in ids):
+        raise DataError(
+            f"line {line}: 'input_ids' has an id above {MAX_TOKEN_ID} (no vocabulary is that large)",
+            param=f"line {line}",
+        )
     if mask is None:
         raise DataError(f"line {line}: missing 'loss_mask'", param=f"line {line}")
     if not isinstance(mask, list) or not all(m in (0, 1) and not isinstance(m, float) for m in mask):
@@ -225,13 +234,19 @@ def iter_rows(
         if not text.strip():
             continue
         try:
-            obj = json.loads(text)
+            obj = load_json_line(text)
         except json.JSONDecodeError as exc:
             raise DataError(
                 f"line {n}: malformed JSON ({exc.msg} at column {exc.colno})", param=f"line {n}"
             ) from exc
-        except RecursionError:
-            raise DataError(f"line {n}: JSON nested too deeply", param=f"line {n}") from None
+        except DocumentError as exc:
+            # Numbers no field takes (NaN, infinities, overflowing floats, integers past the digit
+            # limit) and nesting past the parser's: the line, never a 500.
+            raise DataError(f"line {n}: {exc}", code="invalid_number", param=f"line {n}") from None
+        # Text a tokenizer or a store cannot take (NUL, lone surrogates) is refused here, naming the line;
+        # tabs, newlines and any other Unicode are data a model may see.
+        if (problem := first_text_problem(obj)) is not None:
+            raise DataError(f"line {n}: {problem}", code="invalid_text", param=f"line {n}")
         if resolved is None:
             resolved = detect_format(obj)
             if resolved is None:

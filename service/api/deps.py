@@ -11,6 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.auth_limit import AuthLimiter, client_address
 from service.api.errors import ApiError
 from service.artifacts import ArtifactStore
 from service.crud.projects import hash_key, project_for_key
@@ -61,13 +62,18 @@ AppMetrics = Annotated[Metrics, Depends(get_metrics)]
 def current_project(
     request: Request, db: DB, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Project:
-    """The project of the presented API key; 401 (with the envelope) when missing or unknown. The key's
+    """The project of the presented API key; 401 (with the envelope) when missing or unknown, 429 when the
+    client's address has failed too often (`auth_limit`). The key's
     hash is left on `request.state.key_hash` (event streams are counted, and ended, per key)."""
     challenge = {"WWW-Authenticate": "Bearer"}
     if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
         raise ApiError(401, "missing API key: send `Authorization: Bearer <key>`", headers=challenge)
+    limiter: AuthLimiter = request.app.state.auth_limiter
+    source = client_address(request.client)
+    limiter.check(source)  # before the lookup: a refused address learns nothing about its guess
     project = project_for_key(db, creds.credentials)
     if project is None:
+        limiter.failed(source)
         raise ApiError(401, "invalid or revoked API key", code="invalid_api_key", headers=challenge)
     request.state.key_hash = hash_key(creds.credentials)
     return project

@@ -19,7 +19,9 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle_core.documents import number_problem
 from peagle_core.errors import PeagleError
+from peagle_core.text import printable
 from service.redact import redact_paths
 
 log = logging.getLogger("peagle.api")
@@ -90,12 +92,14 @@ def envelope(
 ) -> dict[str, Any]:
     # Every field a client reads is redacted here, once for all errors: a message or a param may echo a
     # resolved server path (a symlink's target, a worker's directory), and a param may be a client's key.
+    # A client's key (or value) may also hold a lone surrogate, which no JSON answer can encode, or control
+    # characters: escaped, so that the refusal itself never fails.
     return {
         "error": {
             "type": type_ or _TYPES.get(status, "api_error"),
             "code": code or _CODES.get(status, "error"),
-            "message": redact_paths(message),
-            "param": redact_paths(param),
+            "message": redact_paths(printable(message, controls=False)),
+            "param": redact_paths(printable(param) if param is not None else None),
         }
     }
 
@@ -125,7 +129,9 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     details = []
     for err in errors:
         param = _loc_param(err.get("loc", ()))
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        msg = number_problem(err.get("input")) or str(err.get("msg", "invalid value")).removeprefix(
+            "Value error, "
+        )
         details.append(f"{param}: {msg}" if param else msg)
     first = _loc_param(errors[0].get("loc", ())) if errors else None
     return ApiError(

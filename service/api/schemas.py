@@ -23,6 +23,33 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorEnvelope} for code in codes}
 
 
+def document_envelope_422(app: Any) -> None:
+    """Make `app`'s OpenAPI say what its 422s are: the error envelope. FastAPI documents HTTPValidationError
+    on every route with parameters, but the handlers answer every validation error (and the edge checks'
+    refusals of path and query strings) with the envelope."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            envelope = {"$ref": "#/components/schemas/ErrorEnvelope"}
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    answer = operation.get("responses", {}).get("422")
+                    if answer and "HTTPValidationError" in str(answer):
+                        answer["content"] = {"application/json": {"schema": envelope}}
+            components = schema.get("components", {}).get("schemas", {})
+            components.setdefault(
+                "ErrorEnvelope", ErrorEnvelope.model_json_schema(ref_template="#/components/schemas/{model}")
+            )
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def id_links(param: str, *operation_ids: str, source: str = "$response.body#/id") -> dict[str, Any]:
     """OpenAPI links from a response's id to the operations taking it as the path parameter `param`, so
     clients and stateful tests (Schemathesis) can follow create -> inspect -> delete."""

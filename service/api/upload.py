@@ -20,6 +20,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from service.api.errors import ApiError
+from service.api.request_text import check_name
 
 # Chunks handed to the parsing thread at once: one thread hop per MiB instead of per 64 KiB chunk.
 _BATCH_BYTES = 1 << 20
@@ -70,10 +71,11 @@ class _FilePart:
         _, opts = parse_options_header(self.headers.get(b"content-disposition", b""))
         name = opts.get(b"name", b"").decode(errors="replace")
         if name == self.field and not self.found:
+            filename = os.path.basename(opts.get(b"filename", b"data.jsonl").decode(errors="replace"))[:255]
+            # The name is stored and shown: refused before a byte of the data is written.
+            check_name(filename, self.field)
             self.active = self.found = True
-            self.filename = os.path.basename(opts.get(b"filename", b"data.jsonl").decode(errors="replace"))[
-                :255
-            ]
+            self.filename = filename
             self.fh = open(self.out, "wb")  # noqa: SIM115 - closed in _part_end / close()
 
     def _data(self, data: bytes, start: int, end: int) -> None:

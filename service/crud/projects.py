@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 
 from sqlalchemy import select
@@ -58,11 +59,8 @@ def create_key(session: Session, project_name: str) -> tuple[str, ApiKey]:
 
 def project_for_key(session: Session, key: str) -> Project | None:
     """The project owning a live key, or None for an unknown or revoked key."""
-    return session.scalar(
-        select(Project)
-        .join(ApiKey, ApiKey.project_id == Project.id)
-        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
-    )
+    row = live_key(session, key)
+    return session.get(Project, row.project_id) if row is not None else None
 
 
 def key_is_live(session: Session, key_hash: str) -> bool:
@@ -105,8 +103,16 @@ def rotate_key(session: Session, key_id: str) -> tuple[str, ApiKey] | None:
 
 
 def live_key(session: Session, key: str) -> ApiKey | None:
-    """The unrevoked key row for a plaintext key (the dashboard's sign-in), or None."""
-    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+    """The unrevoked key row for a plaintext key (the API's bearer check, the dashboard's sign-in), or None.
+
+    Keys are compared as sha256 digests, never as plaintext: the index lookup's timing depends on the
+    digest of the guess, which tells nothing about the key; the found row is confirmed with a
+    constant-time comparison."""
+    digest = hash_key(key)
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest, ApiKey.revoked_at.is_(None)))
+    if row is None or not hmac.compare_digest(row.key_hash, digest):
+        return None
+    return row
 
 
 def live_key_by_id(session: Session, key_id: str) -> ApiKey | None:

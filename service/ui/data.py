@@ -1,22 +1,21 @@
 """What the dashboard's scripts and links fetch with the session cookie: metric series, the live event
-stream, dataset upload, and downloads. Each is the REST route's own function, called with the signed-in
-project, so scoping and answers are the API's."""
+stream, dataset upload, and downloads. Each is the REST route's own function, or the action it calls
+(`service.api.actions`), with the signed-in project, so scoping, limits and answers are the API's."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from service.api import schemas
+from service.api import actions, schemas
 from service.api.deps import DB, AppSettings, Sessions, Store
 from service.api.errors import not_found
 from service.api.routes import checkpoints as checkpoints_api
-from service.api.routes import datasets as datasets_api
 from service.api.routes import jobs as jobs_api
 from service.api.routes import tracking as tracking_api
 from service.crud import jobs as jobs_crud
@@ -73,10 +72,13 @@ def events(
     settings: AppSettings,
     project: UiProject,
     after: Annotated[int | None, Query(ge=0, le=jobs_api.MAX_ROW_ID)] = None,
-    last_event_id: Annotated[str | None, Header(max_length=32)] = None,
+    last_event_id: Annotated[str | None, Header()] = None,  # checked as the API's: `last_event_id_of`
 ):
     """JSON page, or with `Accept: text/event-stream` (an EventSource) the live stream until the job ends."""
-    return jobs_api.job_events(job_id, request, db, sessions, settings, project, after, 1000, last_event_id)
+    query = jobs_api.EventsQuery(
+        project=project, job_id=job_id, after=after, limit=1000, last_event_id=last_event_id
+    )
+    return jobs_api.events_answer(query, request=request, db=db, sessions=sessions, settings=settings)
 
 
 @router.post("/data/datasets", response_model=schemas.Dataset, status_code=201, dependencies=[CsrfHeader])
@@ -86,14 +88,16 @@ async def upload_dataset(
     store: Store,
     settings: AppSettings,
     project: UiProject,
-    format: Annotated[Literal["auto", "messages", "sharegpt", "tokenized"], Query()] = "auto",
+    format: Annotated[actions.DataFormat, Query()] = "auto",
 ) -> schemas.Dataset:
-    return await datasets_api.upload_dataset(request, db, store, settings, project, format)
+    upload = actions.UploadDataset(project=project, request=request, format=format)
+    row = await actions.upload_dataset(upload, db=db, store=store, settings=settings)
+    return schemas.Dataset.model_validate(row)
 
 
 @router.get("/checkpoints/{checkpoint_id}/archive")
 def checkpoint_archive(checkpoint_id: str, db: DB, store: Store, project: UiProject):
-    return checkpoints_api.archive(checkpoint_id, db, store, project)
+    return checkpoints_api.archive(checkpoint_id=checkpoint_id, db=db, store=store, project=project)
 
 
 @router.get("/checkpoints/{checkpoint_id}/files/{name}")
@@ -104,11 +108,19 @@ def checkpoint_file(
     db: DB,
     store: Store,
     project: UiProject,
-    range: Annotated[str | None, Header(max_length=200)] = None,
+    range: Annotated[str | None, Header()] = None,  # parsed as the API's: `parse_range`
 ):
-    return checkpoints_api.file(checkpoint_id, name, request, db, store, project, range)
+    return checkpoints_api.file(
+        checkpoint_id=checkpoint_id,
+        name=name,
+        request=request,
+        db=db,
+        store=store,
+        project=project,
+        range=range,
+    )
 
 
 @router.get("/jobs/{job_id}/tensorboard")
 def tensorboard(job_id: str, db: DB, store: Store, project: UiProject):
-    return tracking_api.tensorboard_archive(job_id, db, store, project)
+    return tracking_api.tensorboard_archive(job_id=job_id, db=db, store=store, project=project)

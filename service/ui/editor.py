@@ -1,8 +1,8 @@
 """The job editor's checks: YAML text -> JobSpec, every problem tied to its dotted field and YAML line.
 
 Validation is the API's own: `peagle_core.spec.parse_spec` (the JobSpec model whose JSON schema the API
-publishes) and the server-path rules of `service.paths`, so the editor accepts exactly what
-`POST /v1/jobs` accepts.
+publishes) and `service.api.admission.admit_spec` (server paths, queues, trackers), so the editor accepts
+exactly what `POST /v1/jobs` accepts.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import yaml
 
+from peagle_core.documents import DocumentError, load_yaml
 from peagle_core.spec import JobSpec, SpecError, parse_spec
+from service.api.admission import admit_spec
 from service.api.errors import ApiError
-from service.api.quotas import check_queue
-from service.paths import check_spec_paths
 from service.settings import Settings
 
 MAX_SPEC_CHARS = 64 * 1024
@@ -87,7 +87,9 @@ def parse_yaml(text: str) -> tuple[dict[str, Any] | None, FieldErrors]:
             [FieldError("", f"the spec is longer than {MAX_SPEC_CHARS} characters", None)]
         )
     try:
-        data = yaml.load(text, Loader=_LOADER)  # a safe loader (CSafeLoader or SafeLoader)
+        data = load_yaml(text, _LOADER)  # a safe loader (CSafeLoader or SafeLoader)
+    except DocumentError as exc:
+        return None, FieldErrors([FieldError("", str(exc), None)])
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
@@ -108,8 +110,7 @@ def check(text: str, settings: Settings, project_id: str | None = None) -> tuple
     if data is None:
         return None, errors
     try:
-        spec = check_spec_paths(parse_spec(data), settings, prefix="", project_id=project_id)
-        check_queue(settings, spec.resources.queue)
+        spec = admit_spec(parse_spec(data), settings, project_id, prefix="")
     except SpecError as exc:
         return None, errors_at_lines(text, exc.errors)
     except ApiError as exc:

@@ -13,10 +13,10 @@ from urllib.parse import quote
 from fastapi import APIRouter, Form, Query, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from service.api import schemas
-from service.api.deps import DB, AppSettings, RedisConn
+from service.api import actions
+from service.api.auth_limit import AuthLimiter, client_address
+from service.api.deps import DB, AppSettings, RedisConn, Store
 from service.api.errors import ApiError
-from service.api.routes import jobs as jobs_api
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
 from service.crud import events as events_crud
@@ -64,8 +64,20 @@ def login(
     next: Annotated[str, Form(max_length=2000)] = "/ui/",
 ) -> Response:
     check_csrf(session, csrf_token)
+    # The API's limiter: failed sign-ins and failed bearer keys from one address count together.
+    limiter: AuthLimiter = request.app.state.auth_limiter
+    source = client_address(request.client)
+    try:
+        limiter.check(source)
+    except ApiError as exc:
+        page = views.render(
+            request, "login.html", session, status_code=429, next=_safe_next(next), error=exc.message
+        )
+        page.headers.update(exc.headers or {})
+        return page
     key = live_key(db, api_key.strip())
     if key is None:
+        limiter.failed(source)
         return views.render(
             request,
             "login.html",
@@ -209,28 +221,21 @@ def new_job(
     spec_yaml: Annotated[str, Form(max_length=editor.MAX_SPEC_CHARS)],
     csrf_token: CsrfField,
     action: Annotated[str, Form(pattern="^(validate|submit)$")] = "submit",
-    idempotency_key: Annotated[str, Form(max_length=64)] = "",
+    idempotency_key: Annotated[str, Form()] = "",  # checked by the action, as the API's header
 ) -> Response:
     check_csrf(session, csrf_token)
     spec, errors = editor.check(spec_yaml, settings, project.id)
     if spec is not None and action == "submit":
         try:
-            # The API's own create: dataset ownership, tracker checks, idempotency (a double-clicked
-            # submit creates one job), enqueue.
-            job = jobs_api.create_job(
-                schemas.CreateJobRequest(spec=spec),
-                Response(),
-                db,
-                redis,
-                settings,
-                project,
-                idempotency_key or None,
-            )
+            # The API's own create: dataset ownership, tracker checks, limits, idempotency (a
+            # double-clicked submit creates one job), enqueue.
+            create = actions.CreateJob(project=project, spec=spec, idempotency_key=idempotency_key)
+            created = actions.create_job(create, db=db, redis=redis, settings=settings)
         except ApiError as exc:
             db.rollback()  # the create's locks (its dataset row) end here, not after the page renders
             errors = editor.errors_at_lines(spec_yaml, [(exc.param or "", exc.message)])
         else:
-            return RedirectResponse(f"/ui/jobs/{job.id}", status_code=303)
+            return RedirectResponse(f"/ui/jobs/{created.job.id}", status_code=303)
     missing = spec is not None and spec.dataset.id is not None and not errors
     if missing and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
         errors = editor.errors_at_lines(
@@ -286,12 +291,22 @@ def cancel(
 ) -> Response:
     check_csrf(session, csrf_token)
     try:
-        jobs_api.cancel_job(job_id, db, redis, project)
+        actions.cancel_job(actions.JobAction(project=project, job_id=job_id), db=db, redis=redis)
     except ApiError as exc:
         if exc.status == 404:
             raise
         # Already finished: the page shows its final status.
     return RedirectResponse(f"/ui/jobs/{quote(job_id)}", status_code=303)
+
+
+@router.post("/jobs/{job_id}/delete")
+def delete_job(
+    session: Session, project: UiProject, db: DB, store: Store, job_id: str, csrf_token: CsrfField
+) -> Response:
+    """The API's delete: a finished job's files, then its rows; an unfinished one answers the API's 409."""
+    check_csrf(session, csrf_token)
+    actions.delete_job(actions.JobAction(project=project, job_id=job_id), db=db, store=store)
+    return RedirectResponse("/ui/", status_code=303)
 
 
 # -- compare ---------------------------------------------------------------------------------------
@@ -344,3 +359,13 @@ def datasets_page(request: Request, session: Session, project: UiProject, db: DB
         datasets=rows,
         next_cursor=rows[-1].id if has_more and rows else None,
     )
+
+
+@router.post("/datasets/{dataset_id}/delete")
+def delete_dataset(
+    session: Session, project: UiProject, db: DB, store: Store, dataset_id: str, csrf_token: CsrfField
+) -> Response:
+    """The API's delete: a dataset an unfinished job will read answers the API's 409."""
+    check_csrf(session, csrf_token)
+    actions.delete_dataset(actions.DeleteDataset(project=project, dataset_id=dataset_id), db=db, store=store)
+    return RedirectResponse("/ui/datasets", status_code=303)

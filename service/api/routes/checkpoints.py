@@ -22,7 +22,14 @@ from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_r
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
 _ERRORS = schemas.error_responses(401, 404)
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
+# Offsets past any file: a longer digit string reads as this (int() of over 4300 digits raises; shorter
+# ones still cost quadratic time), so `bytes=<5000 digits>-` is a 416, not a 500.
+_BEYOND_ANY_FILE = 1 << 63
+
+
+def _offset(digits: str) -> int:
+    return int(digits) if len(digits) <= 19 else _BEYOND_ANY_FILE
 
 
 def _checkpoint_or_404(db: DB, project_id: str, checkpoint_id: str) -> Checkpoint:
@@ -95,13 +102,13 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
     if not first and not last:
         return None
     if not first:  # suffix: the last N bytes
-        n = int(last)
+        n = _offset(last)
         if n == 0 or size == 0:
             raise _unsatisfiable(size)
         return max(0, size - n), size
-    start = int(first)
-    end = min(int(last), size - 1) if last else size - 1
-    if start >= size or (last and int(last) < start):
+    start = _offset(first)
+    end = min(_offset(last), size - 1) if last else size - 1
+    if start >= size or (last and _offset(last) < start):
         raise _unsatisfiable(size)
     return start, end + 1
 

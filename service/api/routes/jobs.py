@@ -2,36 +2,34 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from redis.exceptions import RedisError
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
-from service.api import schemas
-from service.api.dataset_checks import dataset_for_spec
+from service.api import actions, schemas
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
 from service.api.errors import ApiError, not_found
-from service.api.quotas import StreamSlots, check_new_job, check_queue
+from service.api.json_body import JsonBodyRoute
+from service.api.quotas import StreamSlots
+from service.api.request_text import MAX_IDEMPOTENCY_KEY_CHARS
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import events as events_crud
-from service.crud import idempotency, jobstate
 from service.crud import jobs as jobs_crud
+from service.crud import jobstate
 from service.crud import metrics as metrics_crud
 from service.crud.projects import key_is_live
-from service.db.models import Job
-from service.lifecycle import delete_job as delete_job_files_and_rows
-from service.paths import check_spec_paths
-from service.queue import enqueue_run
+from service.db.models import Job, Project
+from service.settings import Settings
 
 log = logging.getLogger("peagle.api")
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=JsonBodyRoute)
 
 _ERRORS = schemas.error_responses(401, 404, 422)
 MAX_ROW_ID = (1 << 63) - 1  # event and metric ids are BIGINTs: a larger cursor is a 422, not an overflow
@@ -68,84 +66,20 @@ def create_job(
     redis: RedisConn,
     settings: AppSettings,
     project: CurrentProject,
-    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    idempotency_key: Annotated[
+        str | None,
+        # Its length and characters are checked by the action (the dashboard's form field too).
+        Header(description=f"A retry token of at most {MAX_IDEMPOTENCY_KEY_CHARS} characters."),
+    ] = None,
 ) -> schemas.Job:
-    spec = check_spec_paths(body.spec, settings, project_id=project.id)
-    check_queue(settings, spec.resources.queue)
-    if "mlflow" in spec.tracking.report_to and not settings.mlflow_tracking_uri:
-        raise ApiError(
-            422,
-            "this server has no MLflow tracking server (PEAGLE_MLFLOW_TRACKING_URI): remove mlflow",
-            code="tracker_unavailable",
-            param="spec.tracking.report_to",
-        )
-    if spec.dataset.id is not None:
-        dataset_for_spec(db, project.id, spec, lock=True)
-    # The worker runs what the user wrote (an unset field means "the default", or the `init_from`
-    # checkpoint's value); the resolved spec is what GET shows.
-    submitted = spec.model_dump(mode="json", exclude_unset=True)
-    body_hash = idempotency.request_hash(submitted)
-
-    if idempotency_key is not None:
-        replay = _replay(db, project.id, idempotency_key, body_hash, response)
-        if replay is not None:
-            return replay
-    check_new_job(db, project.id, spec.resources.queue, spec.resources.nodes_max)
-    job = jobs_crud.create_job(
-        db, project.id, spec.model_dump(mode="json"), max_attempts=settings.max_attempts, submitted=submitted
-    )
-    if idempotency_key is not None:
-        idempotency.remember(db, project.id, idempotency_key, body_hash, job.id)
-    try:
-        db.commit()
-    except IntegrityError:
-        # A concurrent request with the same key won the insert: answer as its replay.
-        db.rollback()
-        replay = _replay(db, project.id, idempotency_key or "", body_hash, response)
-        if replay is None:
-            raise
-        return replay
-    _enqueue(db, redis, settings, job)
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return schemas.Job.model_validate(job)
-
-
-def _replay(db: DB, project_id: str, key: str, body_hash: str, response: Response) -> schemas.Job | None:
-    row = idempotency.find(db, project_id, key)
-    if row is None:
-        return None
-    if row.request_hash != body_hash:
-        raise ApiError(
-            409,
-            "this Idempotency-Key was already used with a different request body",
-            code="idempotency_key_reused",
-            param="Idempotency-Key",
-        )
-    job = _job_or_404(db, project_id, row.job_id)
-    response.headers["Idempotent-Replayed"] = "true"
-    response.status_code = 200
-    return schemas.Job.model_validate(job)
-
-
-def _enqueue(db: DB, redis: RedisConn, settings: AppSettings, job: Job) -> None:
-    # The row is committed first: if Redis is down the job stays queued and the reconciler enqueues it.
-    try:
-        enqueue_run(redis, job.id, job.queue, settings.job_timeout_s)
-    except RedisError as exc:
-        log.warning(
-            "enqueue of %s failed (%s); left queued for the reconciler", job.id, exc.__class__.__name__
-        )
-        events_crud.add_event(
-            db,
-            job.id,
-            "warning",
-            "the job queue is unavailable; the job will be enqueued when it recovers",
-            level="warning",
-        )
-        db.commit()
-        return
-    jobs_crud.record_enqueued(job)
-    db.commit()
+    request = actions.CreateJob(project=project, spec=body.spec, idempotency_key=idempotency_key)
+    created = actions.create_job(request, db=db, redis=redis, settings=settings)
+    if created.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+        response.status_code = 200
+    else:
+        response.headers["Location"] = f"/v1/jobs/{created.job.id}"
+    return schemas.Job.model_validate(created.job)
 
 
 @router.get("", response_model=schemas.JobList, responses=_ERRORS, summary="List jobs, newest first")
@@ -179,24 +113,7 @@ def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
     "a checkpoint and stops (hard stop after the grace period). A finished job answers 409.",
 )
 def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -> schemas.Job:
-    job = _job_or_404(db, project.id, job_id)
-    # A lost race (the worker claimed or finished it meanwhile) re-reads the status and tries again.
-    for _ in range(5):
-        if job.status == "queued":
-            if jobstate.transition(
-                db, job.id, "cancelled", expect=["queued"], event="cancelled before it started"
-            ):
-                _drop_from_queue(redis, job.id)
-                break
-        elif job.status == "running":
-            if jobstate.transition(db, job.id, "cancelling", expect=["running"], event="cancel requested"):
-                break
-        elif job.status == "cancelling":
-            break
-        else:
-            raise ApiError(409, f"job {job.id} already {job.status}", code="job_finished", param="job_id")
-        db.refresh(job)
-    db.refresh(job)
+    job = actions.cancel_job(actions.JobAction(project=project, job_id=job_id), db=db, redis=redis)
     return schemas.Job.model_validate(job)
 
 
@@ -209,25 +126,8 @@ def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -
     "checkpoints and work files are removed from the artifact store first, then its rows.",
 )
 def delete_job(job_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
-    job = _job_or_404(db, project.id, job_id)
-    if not jobstate.is_terminal(job.status) or not delete_job_files_and_rows(db, store, job):
-        raise ApiError(
-            409,
-            f"job {job.id} is {job.status}; cancel it and wait until it ends before deleting it",
-            code="job_not_finished",
-            param="job_id",
-        )
-    db.commit()
+    actions.delete_job(actions.JobAction(project=project, job_id=job_id), db=db, store=store)
     return schemas.Deleted(id=job_id, object="job")
-
-
-def _drop_from_queue(redis: RedisConn, job_id: str) -> None:
-    # Best effort: a worker that still dequeues it finds the row cancelled and skips it.
-    from rq.exceptions import NoSuchJobError
-    from rq.job import Job as RQJob
-
-    with contextlib.suppress(NoSuchJobError, RedisError, ValueError):
-        RQJob.fetch(job_id, connection=redis).cancel()
 
 
 @router.get(
@@ -255,10 +155,31 @@ def job_events(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> schemas.EventList | StreamingResponse:
-    _job_or_404(db, project.id, job_id)
+    query = EventsQuery(project=project, job_id=job_id, after=after, limit=limit, last_event_id=last_event_id)
+    return events_answer(query, request=request, db=db, sessions=sessions, settings=settings)
+
+
+@dataclass(frozen=True)
+class EventsQuery:
+    """What a client asks of a job's events, at either door (the API, the dashboard's live page)."""
+
+    project: Project
+    job_id: str
+    after: int | None = None
+    limit: int = 100
+    last_event_id: str | None = None  # the raw header: a reconnecting EventSource's resume point
+
+
+def events_answer(
+    query: EventsQuery, *, request: Request, db: Session, sessions: Sessions, settings: Settings
+) -> schemas.EventList | StreamingResponse:
+    """A JSON page of events, or with `Accept: text/event-stream` the live stream until the job ends (one
+    of the key's capped stream slots held while it is open)."""
+    job_id = query.job_id
+    _job_or_404(db, query.project.id, job_id)
     if "text/event-stream" in request.headers.get("accept", ""):
-        resume = last_event_id_of(last_event_id)
-        start = after if resume is None else resume
+        resume = last_event_id_of(query.last_event_id)
+        start = query.after if resume is None else resume
         key_hash: str = request.state.key_hash
         slots: StreamSlots = request.app.state.streams
         slots.acquire(key_hash)
@@ -268,7 +189,7 @@ def job_events(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    rows, has_more = events_crud.events_after(db, job_id, after, limit)
+    rows, has_more = events_crud.events_after(db, job_id, query.after, query.limit)
     return schemas.EventList.of(rows, has_more)
 
 

@@ -18,18 +18,18 @@ from sqlalchemy.orm import Session
 
 from peagle_core.spec import JobSpec
 from service.api import schemas
-from service.api.dataset_checks import dataset_for_spec
+from service.api.admission import admit_with_dataset
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn
 from service.api.errors import ApiError, envelope, not_found
-from service.api.quotas import check_new_plan, check_queue
+from service.api.json_body import JsonBodyRoute
+from service.api.quotas import check_new_plan
 from service.crud import plans as plans_crud
 from service.db.models import Plan, utcnow
-from service.paths import check_spec_paths
 from service.queue import enqueue_plan, plan_outcome, withdraw_plan
 from service.redact import redact_paths
 
 log = logging.getLogger("peagle.api")
-router = APIRouter(tags=["plans"])
+router = APIRouter(tags=["plans"], route_class=JsonBodyRoute)
 _POLL_S = 0.25
 # A plan RQ does not know yet may still be on its way there (the row is committed before the enqueue).
 _ENQUEUE_GRACE = timedelta(seconds=30)
@@ -63,14 +63,9 @@ def create_plan(
     project: CurrentProject,
     recalibrate: Annotated[bool, Query(description="Calibrate again even if rates are stored.")] = False,
 ) -> schemas.Plan:
-    spec = check_spec_paths(body.spec, settings, project_id=project.id)
+    spec, ds = admit_with_dataset(db, body.spec, settings, project.id)
     queue = spec.resources.queue
-    check_queue(settings, queue)
-    if spec.dataset.id is not None:
-        ds = dataset_for_spec(db, project.id, spec)
-        data = {"uri": ds.uri, "sha256": ds.sha256}
-    else:
-        data = {"path": spec.dataset.path}
+    data = {"uri": ds.uri, "sha256": ds.sha256} if ds is not None else {"path": spec.dataset.path}
     key_hash: str = request.state.key_hash
     # Answered plans nobody read yet must not count against the limits.
     for old in plans_crud.in_flight(db, project.id):
