@@ -47,11 +47,12 @@ def _rank_main(args: argparse.Namespace) -> None:
     info = dist_utils.init_distributed()
     out = Path(args.out)
     run, _ = setup(spec, out, info, Hooks(info), resume=False, dataset_dir=args.dataset, cache_dir=None)
-    cuda = run.device.type == "cuda"
+    device = run.device
+    cuda = device.type == "cuda"
 
     def sync() -> None:
         if cuda:
-            torch.cuda.synchronize(run.device)
+            torch.cuda.synchronize(device)
         dist_utils.barrier(info)
 
     bins = epoch_bins(run.train_idx, list(run.dataset.lengths), spec, 0)
@@ -128,6 +129,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     }
     (out / f"rank{info.rank}.json").write_text(json.dumps(figures))
     dist_utils.barrier(info)
+    del run, ckpt, model_state, optim_state, loader, future, group  # the DDP wrapper goes before the group
     dist_utils.shutdown()
 
 

@@ -28,8 +28,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
@@ -49,6 +51,9 @@ ALLOW_CPU_ENV = "PEAGLE_ALLOW_CPU_MULTIPROCESS"
 ABANDON_GRACE_S = (
     15.0  # how long ranks whose job moved on get to stop by themselves before torchrun is stopped
 )
+# How long the ranks get to exit once rank 0 has written its result: a rank that finished its work but hangs
+# in teardown would otherwise keep torchrun, and the job, waiting for ever.
+RANK_EXIT_GRACE_S = 60.0
 
 
 def rank_device(gpus: int) -> str:
@@ -167,8 +172,18 @@ def run_ranks(
         cmd += ["--leader"]
     proc = subprocess.Popen(cmd, env=env)
     signalled: set[int] = set()
+    finished_at: float | None = None
     try:
         while proc.poll() is None:
+            if finished_at is None and result_path.is_file():
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > RANK_EXIT_GRACE_S:
+                log.warning(
+                    "job %s attempt %d: ranks still running %.0f s after rank 0's result; stopping torchrun",
+                    launch.job_id, attempt, RANK_EXIT_GRACE_S,
+                )  # fmt: skip
+                stop_process(proc, grace_s=10)
+                return proc.returncode
             if abort is not None and abort.is_set():
                 # The ranks see it too and stop on their own (a job that just finished ends this way).
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -360,6 +375,15 @@ def _rank_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> NoReturn:
+    """End a rank process once its work and reports are done: flush, then `os._exit`, so that no
+    destructor run at interpreter exit (torch.distributed's included) can keep a finished rank alive."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     setup_logging()
-    sys.exit(_rank_main())
+    exit_now(_rank_main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -49,8 +50,16 @@ def init_distributed() -> DistInfo:
 
 
 def shutdown() -> None:
-    """Leave the process group (safe to call when never joined)."""
+    """Leave the process group (safe to call when never joined), after freeing what still holds it.
+
+    Call it once the caller has dropped its DDP/FSDP wrappers. A DDP reducer that outlives the group holds
+    the group's last reference, and frees it from a C++ destructor with the GIL held (at interpreter exit,
+    or whenever the wrapper is collected); gloo's destructor joins its worker threads, one of which may wait
+    for the GIL to free a finished collective's tensors: a rank that never exits. Collecting first frees the
+    reducer while the group is still registered; `destroy_process_group` then drops the last reference
+    from Python, which releases the GIL while gloo's threads are joined."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -199,6 +199,7 @@ def train(
     finally:
         if run is not None and run.judge is not None:
             run.judge.close()
+        run = None  # the DDP/FSDP wrappers go before the process group (`dist_utils.shutdown`)
         dist_utils.shutdown()
 
 

@@ -1,0 +1,57 @@
+"""Ranks always exit: repeated 4-rank gloo launches that end the way a job's rank does (DDP freed before the
+process group, then `exit_now`), each exiting within a bound, never left waiting in teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXIT_BOUND_S = 240  # a liveness bound, far above a healthy launch; a teardown hang never ends
+
+RANK = """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from peagle_core.training import distributed as dist_utils
+from worker.multigpu import exit_now
+
+torch.set_num_threads(1)
+info = dist_utils.init_distributed()
+model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)))
+optimizer = torch.optim.AdamW(model.parameters())
+for step in range(20):
+    model(torch.randn(32, 256)).square().mean().backward()  # gloo all-reduces on its own threads
+    optimizer.step()
+    optimizer.zero_grad()
+dist_utils.barrier(info)
+del model, optimizer
+dist_utils.shutdown()
+print("rank", info.rank, "done", flush=True)
+exit_now(0)
+"""
+
+
+@pytest.mark.parametrize("launch", range(3))
+def test_four_gloo_ranks_exit_after_their_work(tmp_path: Path, launch: int) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(script)]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"launch {launch}: ranks still alive after {EXIT_BOUND_S} s\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    assert sorted(line for line in out.splitlines() if line.startswith("rank ")) == [
+        f"rank {r} done" for r in range(4)
+    ]
