@@ -222,7 +222,7 @@ class TrainingSpec(_Strict):
         Literal["count", "equal"]
         | Annotated[list[Annotated[float, Field(ge=0.0, le=1e6)]], Field(max_length=32)]
     ) = Field(
-        default="equal",
+        default="count",
         description="How the loss weighs the depths: `count` is the mean over every sampled row (depths weigh "
         "as many rows as COD gives them, the reference's); `equal` gives each depth the same share; a list "
         "[w0, ...] (one per model.num_depths) gives depth d the share w_d / sum(w).",

@@ -37,7 +37,7 @@ class Objective:
     outside the draft vocabulary (no draft can be accepted there); needs a teacher with `full_lm_head`.
     """
 
-    depth_weights: DepthWeights = "equal"
+    depth_weights: DepthWeights = "count"
     tv_weight: float = 0.0
     in_vocab_targets_only: bool = False
 
@@ -197,7 +197,7 @@ def distillation_loss(
     objective: Objective | None = None,
 ) -> LossOutput:
     """KL(teacher ‖ drafter) over the loss rows among `rows`, weighted over depths by `objective`
-    (default: `Objective()`, the mean over depths of each depth's mean).
+    (default: `Objective()`, the mean over every loss row).
 
     `model` is the drafter (or its DDP wrapper). `segment=(s, S)` runs only the anchors of the s-th of S
     ranges, weighted by the whole batch's per-depth counts, so the S segment losses and metrics sum to

@@ -38,16 +38,23 @@ NUMBERS = [
 ]
 
 
-def _body_with(spec: dict[str, Any], field: str, literal: str) -> bytes:
-    """The JSON body `{"spec": spec}` with `literal` written verbatim at `field`."""
-    marker = "__NUMBER__"
+MARKER = "__NUMBER__"
+
+
+def _marked(spec: dict[str, Any], field: str) -> dict[str, Any]:
+    """A copy of `spec` holding MARKER at the dotted `field` (for a literal to be written in its place)."""
     doc = json.loads(json.dumps(spec))
     *parents, leaf = field.split(".")
     node = doc
     for part in parents:
         node = node.setdefault(part, {})
-    node[leaf] = marker
-    return json.dumps({"spec": doc}).replace(f'"{marker}"', literal).encode()
+    node[leaf] = MARKER
+    return doc
+
+
+def _body_with(spec: dict[str, Any], field: str, literal: str) -> bytes:
+    """The JSON body `{"spec": spec}` with `literal` written verbatim at `field`."""
+    return json.dumps({"spec": _marked(spec, field)}).replace(f'"{MARKER}"', literal).encode()
 
 
 @pytest.mark.parametrize(("field", "literal"), NUMBERS, ids=[f"{f}={v[:12]}" for f, v in NUMBERS])
@@ -85,14 +92,7 @@ YAML_NUMBERS = [
 
 
 def _yaml_with(spec: dict[str, Any], field: str, literal: str) -> str:
-    marker = "__NUMBER__"
-    doc = json.loads(json.dumps(spec))
-    *parents, leaf = field.split(".")
-    node = doc
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = marker
-    return yaml.safe_dump(doc, sort_keys=False, width=1 << 20).replace(marker, literal)
+    return yaml.safe_dump(_marked(spec, field), sort_keys=False, width=1 << 20).replace(MARKER, literal)
 
 
 @pytest.mark.parametrize(("field", "literal"), YAML_NUMBERS, ids=[f"{f}={v[:8]}" for f, v in YAML_NUMBERS])
