@@ -6,9 +6,9 @@ query is not padding (document id -1), and either (d' = 0 and a' <= a) or (a' = 
 Every query therefore sees a causal, in-document prefix of depth-0 keys plus at most d keys of its own
 chain. The CPU path exploits that: a chunked, memory-efficient attention over the depth-0 prefix (no
 N x N tensor, float or bool) merged by log-sum-exp with a tiny per-chain term. `fused` (CPU default)
-runs each chunk through ATen's CPU flash-attention kernel, forward and backward; `chunked` is the same
-computation in plain PyTorch ops. CUDA uses FlexAttention with a block mask built from the same rule;
-`parallel_group_mask` is the dense reference.
+runs each chunk's forward through ATen's CPU flash-attention kernel and its backward as batched
+matmuls; `chunked` is the same computation in plain PyTorch ops. CUDA uses FlexAttention with a
+block mask built from the same rule; `parallel_group_mask` is the dense reference.
 """
 
 from __future__ import annotations
@@ -285,13 +285,14 @@ def _chunk_probs(qc, kc, lo, hi, k0, scale):
 
 
 class _FusedPrefixAttention(torch.autograd.Function):
-    """`_PrefixAttention` on ATen's CPU flash-attention kernel: one fused call per chunk, forward and
-    backward, in the inputs' dtype (bf16 under autocast) with fp32 accumulation and log-sum-exp.
+    """`_PrefixAttention` with ATen's CPU flash-attention kernel as its forward (one fused call per chunk,
+    in the inputs' dtype, bf16 under autocast, with fp32 accumulation and log-sum-exp) and batched fp32
+    matmuls as its backward.
 
-    The kernel's backward has no input for the gradient of lse. It enters as one extra head dimension:
-    with q, k, v padded by a zero column, grad_out by a column of ones and out by a column of -grad_lse,
-    the kernel's delta = rowsum(grad_out * out) becomes delta - grad_lse, which is the whole effect of
-    lse's gradient (d lse / d s_ij = p_ij); the padded columns of the results are dropped.
+    The kernel's own backward loses to the matmuls: ~4.5x slower than its forward with AMX (in bf16 and
+    fp32 alike, where even plain-op attention made the step faster: 2.38 s against 2.74 s), and equal or
+    slower without (AVX2 EPYC, fp32, one step's attention backward at the SmolLM2 shape: kernel 0.41-0.54 s,
+    matmuls 0.41-0.48 s, `bench/attention_kernels.py`). Its lack of an input for lse's gradient goes too.
     """
 
     @staticmethod
@@ -321,47 +322,59 @@ class _FusedPrefixAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, kernel_lse, key_lo, key_hi = ctx.saved_tensors
-        hkv, g, _, dh = q.shape
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        if grad_lse is None:
-            grad_lse = torch.zeros_like(kernel_lse)
-        dtype = q.dtype
-        q_pad = _pad_last(q, 0.0)
-        go_pad = _pad_last(grad_out.to(dtype), 1.0)
-        out_pad = torch.cat([out, (-grad_lse).to(dtype)[..., None]], dim=-1)
-        k_pad, v_pad = _pad_last(k, 0.0), _pad_last(v, 0.0)
-        for r0, r1, k0, k1 in ctx.chunks:
-            if k1 <= k0:
-                continue
-            mask = _chunk_bias(key_lo[r0:r1], key_hi[r0:r1], k0, k1, dtype)
-            kc = k_pad[:, None, k0:k1].expand(hkv, g, k1 - k0, dh + 1)
-            vc = v_pad[:, None, k0:k1].expand(hkv, g, k1 - k0, dh + 1)
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                go_pad[:, :, r0:r1],
-                q_pad[:, :, r0:r1],
-                kc,
-                vc,
-                out_pad[:, :, r0:r1],
-                kernel_lse[:, :, r0:r1],
-                0.0,
-                False,
-                attn_mask=mask,
-                scale=ctx.scale,
-            )
-            dq[:, :, r0:r1] = gq[..., :dh]
-            dk[:, k0:k1] += gk[..., :dh].sum(1)
-            dv[:, k0:k1] += gv[..., :dh].sum(1)
-        return dq, dk, dv, None, None, None, None
+        grads = _matmul_backward(ctx, q, k, v, out, kernel_lse, key_lo, key_hi, grad_out, grad_lse)
+        return (*grads, None, None, None, None)
 
 
-def _pad_last(x: torch.Tensor, value: float) -> torch.Tensor:
-    return torch.cat([x, x.new_full((*x.shape[:-1], 1), value)], dim=-1)
+def _matmul_backward(ctx, q, k, v, out, lse, key_lo, key_hi, grad_out, grad_lse):
+    """The flash backward as five batched fp32 matmuls per chunk, a KV group's query heads stacked as rows.
+
+    Probabilities are recomputed from the forward's lse. Rows are laid out [hkv, N, g] once, so a chunk's
+    stacked rows are a view, and dk and dv are one matmul each instead of a matmul and a sum over heads.
+    """
+    hkv, g, _, dh = q.shape
+    f32 = torch.float32
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [hkv, g, N, ...] -> [hkv, N, g, ...], fp32
+        return x.to(f32).transpose(1, 2).contiguous()
+
+    q_r, go_r = rows(q), rows(grad_out)
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    # delta = rowsum(dO * O) - d lse: the softmax backward's row term, with lse's own gradient folded in.
+    delta_r = rows((grad_out.to(f32) * out.to(f32)).sum(-1) - grad_lse)
+    lse_r = rows(lse)
+    k32, v32 = k.to(f32), v.to(f32)
+    dq_r = torch.zeros_like(q_r)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    for r0, r1, k0, k1 in ctx.chunks:
+        if k1 <= k0:
+            continue
+        c, span = (r1 - r0) * g, k1 - k0
+        qc, go = q_r[:, r0:r1].view(hkv, c, dh), go_r[:, r0:r1].view(hkv, c, dh)
+        kc, vc = k32[:, k0:k1], v32[:, k0:k1]
+        p = torch.bmm(qc, kc.transpose(1, 2)).mul_(ctx.scale)
+        hidden = ~_chunk_visible(key_lo[r0:r1], key_hi[r0:r1], k0, k1)
+        p.view(hkv, r1 - r0, g, span).masked_fill_(hidden[None, :, None, :], float("-inf"))
+        p.sub_(lse_r[:, r0:r1].reshape(hkv, c, 1)).exp_()
+        ds = torch.bmm(go, vc.transpose(1, 2))
+        ds.sub_(delta_r[:, r0:r1].reshape(hkv, c, 1)).mul_(p)
+        torch.bmm(ds, kc, out=dq_r[:, r0:r1].view(hkv, c, dh))
+        dk[:, k0:k1] += torch.bmm(ds.transpose(1, 2), qc)
+        dv[:, k0:k1] += torch.bmm(p.transpose(1, 2), go)
+    dq = dq_r.mul_(ctx.scale).transpose(1, 2)
+    return dq.to(q.dtype), dk.mul_(ctx.scale).to(k.dtype), dv.to(v.dtype)
+
+
+def _chunk_visible(lo: torch.Tensor, hi: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """[rows, k1 - k0]: whether key k0 + j lies in the row's [lo, hi]."""
+    keys = torch.arange(k0, k1, device=lo.device)
+    return (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
 
 
 def _chunk_bias(lo: torch.Tensor, hi: torch.Tensor, k0: int, k1: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask [1, 1, rows, k1 - k0]: 0 where key k0 + j lies in the row's [lo, hi], else -inf."""
-    keys = torch.arange(k0, k1, device=lo.device)
-    visible = (keys[None, :] >= lo[:, None]) & (keys[None, :] <= hi[:, None])
+    visible = _chunk_visible(lo, hi, k0, k1)
     bias = torch.zeros(visible.shape, dtype=dtype, device=lo.device)
     return bias.masked_fill_(~visible, float("-inf"))[None, None]
 
@@ -381,7 +394,8 @@ def _chunked_attention(
     if fused:
         # bf16's flash kernel only beats fp32 with AMX (measured: without it, equal forward and a
         # slower backward), so elsewhere the kernel runs on fp32 copies of q, k, v (O(N) memory).
-        dtype = q.dtype if q.dtype == torch.float32 or has_amx(q.device) else torch.float32
+        amx = has_amx(q.device)
+        dtype = q.dtype if q.dtype == torch.float32 or amx else torch.float32
         out, lse = _FusedPrefixAttention.apply(
             q_g.to(dtype), k0.to(dtype), v0.to(dtype), layout.key_lo, layout.key_hi, layout.chunks, scale
         )
