@@ -83,7 +83,7 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
-    p.add_argument("--depth-weights", default="equal", help="count, equal or w0/w1/...")
+    p.add_argument("--depth-weights", default="count", help="count, equal or w0/w1/...")
     p.add_argument("--tv-weight", type=float, default=0.0)
     p.add_argument("--in-vocab-only", type=int, default=0, choices=[0, 1])
     p.add_argument("--freeze-lm-head", type=int, default=0, choices=[0, 1])

@@ -6,7 +6,8 @@ Each variant runs in its own process (its peak RSS and allocator settings are it
   loss kernels, multi-tensor AdamW, glibc's default allocator settings;
 - `new`: what a job runs now: `training.precision: auto` (bf16 on a CPU with AMX-BF16 or AVX512-BF16),
   the fused flash-attention kernel, compiled loss kernels, fused AdamW, the allocator kept warm;
-- `speculators`: speculators 0.9's P-EAGLE training step at the same shape (bf16 autocast, SDPA).
+- `speculators`: speculators 0.9's P-EAGLE training step at the same shape (SDPA), in the precision `new`
+  resolves to (bf16 autocast where bf16 is fast, fp32 elsewhere: emulated bf16 would only slow it down).
 
 Shapes: `smollm2` is SmolLM2-135M's drafter (H 576, 9 query / 3 KV heads, intermediate 1536, vocabulary
 49,152, draft vocabulary 8,192, 1 layer, K=4, COD 0.7 / 0.2) over 4,096 tokens packed as 8 documents of
@@ -107,8 +108,10 @@ def _child(args: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.variant == "speculators":
-        step, cfg, batches = _speculators_setup(args, device)
-        precision = "bf16"
+        from peagle_core.model.precision import resolve_precision
+
+        precision = resolve_precision("auto", device)
+        step, cfg, batches = _speculators_setup(args, device, precision)
     else:
         step, cfg, batches, precision = _ours_setup(args, device)
     elapsed = tokens = flops = 0.0
@@ -268,9 +271,11 @@ def _toy_ours(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any,
     return model, teacher, lambda i: batches[i]
 
 
-def _speculators_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
-    """speculators' PEagleDraftModel at the SmolLM2 shape, its trainer's step (bf16 autocast, backward,
-    clip, AdamW over its trainable parameters; it keeps the lm_head frozen)."""
+def _speculators_setup(
+    args: argparse.Namespace, device: torch.device, precision: str
+) -> tuple[Any, Any, Any]:
+    """speculators' PEagleDraftModel at the SmolLM2 shape, its trainer's step (autocast when `precision` is
+    bf16, backward, clip, AdamW over its trainable parameters; it keeps the lm_head frozen)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.peagle import PEagleDraftModel, PEagleSpeculatorConfig
@@ -314,7 +319,9 @@ def _speculators_setup(args: argparse.Namespace, device: torch.device) -> tuple[
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
             "verifier_last_hidden_states")  # fmt: skip
     batch = _smollm2_batch(args.seq_len, cfg.hidden_size, cfg.vocab_size, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    )
 
     def step(b: Any, _i: int) -> list[int]:
         with _dynamo.config.patch(assume_static_by_default=False), autocast:
