@@ -322,7 +322,9 @@ class _FusedPrefixAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, kernel_lse, key_lo, key_hi = ctx.saved_tensors
-        grads = _matmul_backward(ctx, q, k, v, out, kernel_lse, key_lo, key_hi, grad_out, grad_lse)
+        # The backward runs under the forward's autocast; its matmuls are fp32 by design.
+        with torch.autocast(q.device.type, enabled=False):
+            grads = _matmul_backward(ctx, q, k, v, out, kernel_lse, key_lo, key_hi, grad_out, grad_lse)
         return (*grads, None, None, None, None)
 
 

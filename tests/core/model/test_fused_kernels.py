@@ -93,6 +93,17 @@ def test_fused_attention_in_bf16_tracks_fp32_dense() -> None:
         assert float(cos) > 0.999, what
 
 
+def test_fused_attention_under_bf16_autocast_tracks_fp32_dense() -> None:
+    # Training's path: the projections hand fp32 or bf16 rows in, and the backward runs under autocast too.
+    layout = AttentionLayout.build(*LAYOUTS["packed_cod"](), num_heads=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = _attention_grads(layout, "fused", torch.float32)
+    dense = _attention_grads(layout, "dense", torch.float32)
+    for what, a, b in zip(("out", "dq", "dk", "dv"), fused, dense, strict=True):
+        cos = torch.nn.functional.cosine_similarity(a.detach().flatten(), b.detach().flatten(), dim=0)
+        assert float(cos) > 0.999, what
+
+
 def test_padding_rows_get_zeros_and_no_gradient() -> None:
     layout = AttentionLayout.build(*LAYOUTS["packed_cod"](), num_heads=6)
     out, dq, _, _ = _attention_grads(layout, "fused", torch.float32)
