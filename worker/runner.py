@@ -20,9 +20,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from peagle_core.data.formats import require_dataset_file
+from peagle_core.data.source import InputFile
 from peagle_core.errors import CheckpointError, DataError, VerifierError
-from peagle_core.io import sha256_file
 from peagle_core.keys import PREPARE
 from peagle_core.pipeline.stages import Callbacks, Pipeline, PipelineResult, TrainStage
 from peagle_core.spec import JobSpec
@@ -266,7 +265,7 @@ class JobRunner:
         if spec.resources.gpus > 1 or spec.resources.nodes_max > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
         work_dir.mkdir(parents=True, exist_ok=True)
-        source, source_sha = self._dataset_source(job, spec, work_dir)
+        source = self._dataset_source(job, spec, work_dir)
 
         # Stage outputs are shared by a project's jobs only: a project never learns (from a reuse, or its
         # speed) that another one prepared the same data.
@@ -298,7 +297,6 @@ class JobRunner:
             work_dir,
             store=self.store.scoped(scope),
             source=source,
-            source_sha256=source_sha,
             scratch=Path(self.settings.data_dir) / "scratch" / scope,
             callbacks=callbacks,
             max_line_bytes=self.settings.max_line_bytes,
@@ -326,11 +324,10 @@ class JobRunner:
 
         return train_stage
 
-    def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
-        """The JSONL to train on and its sha256 (the stage keys' source digest)."""
+    def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> InputFile:
+        """The JSONL to train on, checked and hashed once (a stored dataset's sha256 is its row's)."""
         if spec.dataset.path is not None:
-            path = require_dataset_file(spec.dataset.path, param="dataset.path", where=" on the worker")
-            return path, sha256_file(path)
+            return InputFile.of(spec.dataset.path, param="dataset.path", where=" on the worker")
 
         def dataset() -> Any:
             with self.sessions() as session:
@@ -342,7 +339,7 @@ class JobRunner:
         local = self.store.local_path(ds.uri)
         if local is None:
             local = self.store.fetch_file(ds.uri, out_dir / "data" / "data.jsonl")
-        return local, ds.sha256
+        return InputFile.of(local, param="dataset.path", sha256=ds.sha256)
 
     # -- storage ledger ----------------------------------------------------------------------------
 
