@@ -383,7 +383,7 @@ class JobRunner:
         files = self.store.publish_dir(result.export_dir, key)
         metrics = dict(result.metrics)
         if result.evaluation is not None:
-            metrics.setdefault("eval", result.evaluation)
+            metrics.setdefault("eval", result.evaluation.to_dict())
 
         def commit() -> bool:
             with self.sessions() as session:
