@@ -89,8 +89,11 @@ class JobRunner:
 
     def run(self) -> str:
         job = self._claim()
-        if job is None:
-            return "skipped"
+        return self._attempt(job) if job is not None else "skipped"
+
+    def _attempt(self, job: Job) -> str:
+        """Run the claimed attempt of `job` with its monitor, progress writer, trackers and checkpoint
+        mirror, and settle its status: one exit, whatever ended it (an interrupt re-raises)."""
         # The claim's attempt number is this run's fencing token: every write below is conditional on it.
         self.attempt = job.attempt
         spec = submitted_spec(job)
@@ -121,48 +124,62 @@ class JobRunner:
                 progress.close(tolerance_s=self.settings.db_outage_tolerance_s)
                 mirror.close(tolerance_s=self.settings.db_outage_tolerance_s)
             self._db(monitor.check_now, f"checking job {self.job_id}")
-            if monitor.lost.is_set() or mirror.lost.is_set() or progress.lost.is_set():
-                log.warning(
-                    "job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt
-                )
-                return "lost"
-            if monitor.cancel_requested.is_set():
-                return self._finish_cancelled(result)
-            # A member machine's drain stops the whole gang: the job goes back to the queue as well.
-            if result.status == "stopped" and (monitor.preempted.is_set() or spec.resources.nodes_max > 1):
-                return self._requeue_preempted(result)
-            if result.status == "stopped":
-                return self._finish_cancelled(result)
-            return self._publish(job, result)
+            lost = monitor.lost.is_set() or mirror.lost.is_set() or progress.lost.is_set()
+            status = self._settle(job, spec, result, monitor, lost=lost)
         except NodeLost as exc:
-            return self._requeue_node_lost(job, exc)
+            status = self._requeue_node_lost(job, exc)
         except Exception as exc:
-            log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
-            error = error_for(exc, stage=self.stage)
-            moved = self._move(
-                "failed",
-                expect=ACTIVE_STATUSES,
-                event=f"failed during {self.stage}: {error['message']}",
-                event_data={"error": error, "stage": self.stage},
-                level="error",
-                error=error,
-            )
-            return "failed" if moved else "lost"
+            status = self._fail(exc)
         except BaseException:
-            # Interrupted (shutdown, Ctrl-C): hand a running job back, the reconciler re-enqueues it. A job
-            # whose cancel was requested ends cancelled: a cancel is never undone.
-            if not self._move("queued", expect=("running",), event="worker interrupted; job requeued"):
-                self._move(
-                    "cancelled",
-                    expect=("cancelling",),
-                    event="cancelled: the worker was interrupted while the job was stopping",
-                )
+            self._hand_back()
             raise
         finally:
             monitor.stop()
             self._charge_cache()
             trackers.finish(self.published_dir)
             shutil.rmtree(work_dir, ignore_errors=True)  # the store holds the resume point
+        return status
+
+    def _settle(
+        self, job: Job, spec: JobSpec, result: PipelineResult, monitor: JobMonitor, *, lost: bool
+    ) -> str:
+        """The job's status once its pipeline returned: dropped when the attempt lost the job, cancelled
+        on request, requeued when the worker (or a member machine of a gang) drains, else published."""
+        if lost:
+            log.warning("job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt)
+            return "lost"
+        if monitor.cancel_requested.is_set():
+            return self._finish_cancelled(result)
+        if result.status != "stopped":
+            return self._publish(job, result)
+        # A member machine's drain stops the whole gang: the job goes back to the queue as well.
+        if monitor.preempted.is_set() or spec.resources.nodes_max > 1:
+            return self._requeue_preempted(result)
+        return self._finish_cancelled(result)
+
+    def _fail(self, exc: Exception) -> str:
+        """The attempt raised: the job fails with the error, named by the stage it was in."""
+        log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
+        error = error_for(exc, stage=self.stage)
+        moved = self._move(
+            "failed",
+            expect=ACTIVE_STATUSES,
+            event=f"failed during {self.stage}: {error['message']}",
+            event_data={"error": error, "stage": self.stage},
+            level="error",
+            error=error,
+        )
+        return "failed" if moved else "lost"
+
+    def _hand_back(self) -> None:
+        """Interrupted (shutdown, Ctrl-C): hand a running job back, the reconciler re-enqueues it. A job
+        whose cancel was requested ends cancelled: a cancel is never undone."""
+        if not self._move("queued", expect=("running",), event="worker interrupted; job requeued"):
+            self._move(
+                "cancelled",
+                expect=("cancelling",),
+                event="cancelled: the worker was interrupted while the job was stopping",
+            )
 
     def _claim(self) -> Job | None:
         def claim() -> Job | None:
