@@ -104,6 +104,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     from peagle_core.catalogue.models import get_model
+    from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, k_key
     from peagle_core.pipeline.stages import LocalStore, Pipeline
     from peagle_core.spec import parse_spec
 
@@ -122,8 +123,8 @@ def main() -> None:
         t0 = time.monotonic()
         result = Pipeline.of(spec, args.work / f"run-{name}", store=store).run(resume=False)
         m = result.metrics
-        results = (result.evaluation or {}).get("results") or {}
-        at_k = results.get(f"k={v.num_depths}", {})
+        report = result.evaluation or EvaluationReport()
+        at_k = report.ours(v.num_depths) or AcceptanceFigures()
         emit(
             bench="recipe_sweep",
             variant=name,
@@ -131,11 +132,13 @@ def main() -> None:
             steps=result.step,
             seconds=round(time.monotonic() - t0, 1),
             recipe={k: getattr(v, k) for k in KNOBS},
-            acceptance_length=at_k.get("acceptance_length"),
+            acceptance_length=at_k.acceptance_length,
             # Every K the evaluation ran (`evaluation.speculative_tokens`), not only K = num_depths.
-            acceptance_length_by_k={k: r.get("acceptance_length") for k, r in results.items()},
-            acceptance_rate_per_position=at_k.get("acceptance_rate_per_position"),
-            categories={c: f.get("acceptance_length") for c, f in (at_k.get("categories") or {}).items()},
+            acceptance_length_by_k={
+                k_key(k): r.ours.acceptance_length if r.ours else None for k, r in report.results.items()
+            },
+            acceptance_rate_per_position=at_k.acceptance_rate_per_position,
+            categories={c: f.acceptance_length for c, f in (at_k.categories or {}).items()},
             train_accuracy={k: round(val, 3) for k, val in m.items() if k.startswith("acc_")},
             loss=m.get("loss"),
             eval_prompts=len(prompts),

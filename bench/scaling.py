@@ -62,6 +62,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     from peagle_core.catalogue.models import get_model
+    from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport
     from peagle_core.pipeline.stages import LocalStore, Pipeline
     from peagle_core.spec import parse_spec
 
@@ -78,14 +79,14 @@ def main() -> None:
         spec = parse_spec(raw)
         t0 = time.monotonic()
         result = Pipeline.of(spec, args.work / f"run-{int(budget)}", store=store).run(resume=True)
-        at_k = ((result.evaluation or {}).get("results") or {}).get(f"k={args.num_depths}", {})
-        vllm = at_k.get("vllm") or {}
+        at_k = (result.evaluation or EvaluationReport()).at(args.num_depths)
+        vllm = (at_k.vllm if at_k is not None else None) or AcceptanceFigures()
         point = {
             "tokens": args.steps * args.total_seq_len,
             "steps": result.step,
             "k": args.num_depths,
-            "vllm_acceptance_length": vllm.get("acceptance_length"),
-            "vllm_acceptance_rate_per_position": vllm.get("acceptance_rate_per_position"),
+            "vllm_acceptance_length": vllm.acceptance_length,
+            "vllm_acceptance_rate_per_position": vllm.acceptance_rate_per_position,
             "train_loss": result.metrics.get("loss"),
             "train_accuracy": {k: round(v, 4) for k, v in result.metrics.items() if k.startswith("acc_")},
             "seconds": round(time.monotonic() - t0, 1),

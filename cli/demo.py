@@ -209,6 +209,7 @@ def _toy_inputs(size: str, work: Path) -> tuple[Path, Path]:
 def _report(
     out: Path, verifier_path: Path, ckpt: dict[str, Any], job: dict[str, Any], elapsed: float
 ) -> None:
+    from peagle_core.evaluation.report import EvaluationReport, ServingFigures
     from peagle_core.serving.export import serve_command, validate_checkpoint
     from peagle_core.serving.recommendation import ServingRecommendation
 
@@ -221,21 +222,21 @@ def _report(
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     metrics = ckpt.get("metrics") or {}
     typer.echo(f"job {job['id']} succeeded in {elapsed / 60:.1f} min; checkpoint valid: {out}")
-    serving = (metrics.get("eval") or {}).get("serving") or {}
+    serving = EvaluationReport.from_dict(metrics.get("eval")).serving or ServingFigures()
     ours = metrics.get(f"eval/acceptance_length@{k}")
-    theirs = serving.get("acceptance_length") or metrics.get(f"eval/vllm_acceptance_length@{k}")
+    theirs = serving.figures.acceptance_length or metrics.get(f"eval/vllm_acceptance_length@{k}")
     line = f"acceptance length at K={k}: "
     line += f"{ours:.3f} (peagle eval)" if ours is not None else "not measured here"
     if theirs is not None:
-        line += f", {theirs:.3f} ({serving.get('engine') or 'vLLM'}, its spec-decode counters)"
+        line += f", {theirs:.3f} ({serving.figures.engine or 'vLLM'}, its spec-decode counters)"
     typer.echo(line)
     if ckpt.get("servable") == "verified":
         typer.echo(
-            f"servable: verified, vLLM reproduced the verifier's greedy output on {serving.get('prompts')} prompts"
+            f"servable: verified, vLLM reproduced the verifier's greedy output on {serving.prompts} prompts"
         )
     else:
-        typer.echo(f"servable: unverified ({serving.get('reason') or 'no vLLM where the job ran'})")
-    if (recommendation := ServingRecommendation.of(serving)) is not None:
+        typer.echo(f"servable: unverified ({serving.reason or 'no vLLM where the job ran'})")
+    if (recommendation := ServingRecommendation.parse(serving.recommendation)) is not None:
         typer.echo(f"measured in vLLM: {recommendation.sentence()}")
         k = recommendation.serve_k(k)
     typer.echo("serve it with vLLM (0.28+):")

@@ -20,9 +20,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from peagle_core.data.formats import require_dataset_file
+from peagle_core.data.source import InputFile
 from peagle_core.errors import CheckpointError, DataError, VerifierError
-from peagle_core.io import sha256_file
 from peagle_core.keys import PREPARE
 from peagle_core.pipeline.stages import Callbacks, Pipeline, PipelineResult, TrainStage
 from peagle_core.spec import JobSpec
@@ -90,8 +89,11 @@ class JobRunner:
 
     def run(self) -> str:
         job = self._claim()
-        if job is None:
-            return "skipped"
+        return self._attempt(job) if job is not None else "skipped"
+
+    def _attempt(self, job: Job) -> str:
+        """Run the claimed attempt of `job` with its monitor, progress writer, trackers and checkpoint
+        mirror, and settle its status: one exit, whatever ended it (an interrupt re-raises)."""
         # The claim's attempt number is this run's fencing token: every write below is conditional on it.
         self.attempt = job.attempt
         spec = submitted_spec(job)
@@ -122,48 +124,62 @@ class JobRunner:
                 progress.close(tolerance_s=self.settings.db_outage_tolerance_s)
                 mirror.close(tolerance_s=self.settings.db_outage_tolerance_s)
             self._db(monitor.check_now, f"checking job {self.job_id}")
-            if monitor.lost.is_set() or mirror.lost.is_set() or progress.lost.is_set():
-                log.warning(
-                    "job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt
-                )
-                return "lost"
-            if monitor.cancel_requested.is_set():
-                return self._finish_cancelled(result)
-            # A member machine's drain stops the whole gang: the job goes back to the queue as well.
-            if result.status == "stopped" and (monitor.preempted.is_set() or spec.resources.nodes_max > 1):
-                return self._requeue_preempted(result)
-            if result.status == "stopped":
-                return self._finish_cancelled(result)
-            return self._publish(job, result)
+            lost = monitor.lost.is_set() or mirror.lost.is_set() or progress.lost.is_set()
+            status = self._settle(job, spec, result, monitor, lost=lost)
         except NodeLost as exc:
-            return self._requeue_node_lost(job, exc)
+            status = self._requeue_node_lost(job, exc)
         except Exception as exc:
-            log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
-            error = error_for(exc, stage=self.stage)
-            moved = self._move(
-                "failed",
-                expect=ACTIVE_STATUSES,
-                event=f"failed during {self.stage}: {error['message']}",
-                event_data={"error": error, "stage": self.stage},
-                level="error",
-                error=error,
-            )
-            return "failed" if moved else "lost"
+            status = self._fail(exc)
         except BaseException:
-            # Interrupted (shutdown, Ctrl-C): hand a running job back, the reconciler re-enqueues it. A job
-            # whose cancel was requested ends cancelled: a cancel is never undone.
-            if not self._move("queued", expect=("running",), event="worker interrupted; job requeued"):
-                self._move(
-                    "cancelled",
-                    expect=("cancelling",),
-                    event="cancelled: the worker was interrupted while the job was stopping",
-                )
+            self._hand_back()
             raise
         finally:
             monitor.stop()
             self._charge_cache()
             trackers.finish(self.published_dir)
             shutil.rmtree(work_dir, ignore_errors=True)  # the store holds the resume point
+        return status
+
+    def _settle(
+        self, job: Job, spec: JobSpec, result: PipelineResult, monitor: JobMonitor, *, lost: bool
+    ) -> str:
+        """The job's status once its pipeline returned: dropped when the attempt lost the job, cancelled
+        on request, requeued when the worker (or a member machine of a gang) drains, else published."""
+        if lost:
+            log.warning("job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt)
+            return "lost"
+        if monitor.cancel_requested.is_set():
+            return self._finish_cancelled(result)
+        if result.status != "stopped":
+            return self._publish(job, result)
+        # A member machine's drain stops the whole gang: the job goes back to the queue as well.
+        if monitor.preempted.is_set() or spec.resources.nodes_max > 1:
+            return self._requeue_preempted(result)
+        return self._finish_cancelled(result)
+
+    def _fail(self, exc: Exception) -> str:
+        """The attempt raised: the job fails with the error, named by the stage it was in."""
+        log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
+        error = error_for(exc, stage=self.stage)
+        moved = self._move(
+            "failed",
+            expect=ACTIVE_STATUSES,
+            event=f"failed during {self.stage}: {error['message']}",
+            event_data={"error": error, "stage": self.stage},
+            level="error",
+            error=error,
+        )
+        return "failed" if moved else "lost"
+
+    def _hand_back(self) -> None:
+        """Interrupted (shutdown, Ctrl-C): hand a running job back, the reconciler re-enqueues it. A job
+        whose cancel was requested ends cancelled: a cancel is never undone."""
+        if not self._move("queued", expect=("running",), event="worker interrupted; job requeued"):
+            self._move(
+                "cancelled",
+                expect=("cancelling",),
+                event="cancelled: the worker was interrupted while the job was stopping",
+            )
 
     def _claim(self) -> Job | None:
         def claim() -> Job | None:
@@ -266,7 +282,7 @@ class JobRunner:
         if spec.resources.gpus > 1 or spec.resources.nodes_max > 1:
             rank_device(spec.resources.gpus)  # fail before any work when this worker cannot run it
         work_dir.mkdir(parents=True, exist_ok=True)
-        source, source_sha = self._dataset_source(job, spec, work_dir)
+        source = self._dataset_source(job, spec, work_dir)
 
         # Stage outputs are shared by a project's jobs only: a project never learns (from a reuse, or its
         # speed) that another one prepared the same data.
@@ -298,7 +314,6 @@ class JobRunner:
             work_dir,
             store=self.store.scoped(scope),
             source=source,
-            source_sha256=source_sha,
             scratch=Path(self.settings.data_dir) / "scratch" / scope,
             callbacks=callbacks,
             max_line_bytes=self.settings.max_line_bytes,
@@ -326,11 +341,10 @@ class JobRunner:
 
         return train_stage
 
-    def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> tuple[Path, str]:
-        """The JSONL to train on and its sha256 (the stage keys' source digest)."""
+    def _dataset_source(self, job: Job, spec: JobSpec, out_dir: Path) -> InputFile:
+        """The JSONL to train on, checked and hashed once (a stored dataset's sha256 is its row's)."""
         if spec.dataset.path is not None:
-            path = require_dataset_file(spec.dataset.path, param="dataset.path", where=" on the worker")
-            return path, sha256_file(path)
+            return InputFile.of(spec.dataset.path, param="dataset.path", where=" on the worker")
 
         def dataset() -> Any:
             with self.sessions() as session:
@@ -342,7 +356,7 @@ class JobRunner:
         local = self.store.local_path(ds.uri)
         if local is None:
             local = self.store.fetch_file(ds.uri, out_dir / "data" / "data.jsonl")
-        return local, ds.sha256
+        return InputFile.of(local, param="dataset.path", sha256=ds.sha256)
 
     # -- storage ledger ----------------------------------------------------------------------------
 
@@ -386,7 +400,7 @@ class JobRunner:
         files = self.store.publish_dir(result.export_dir, key)
         metrics = dict(result.metrics)
         if result.evaluation is not None:
-            metrics.setdefault("eval", result.evaluation)
+            metrics.setdefault("eval", result.evaluation.to_dict())
 
         def commit() -> bool:
             with self.sessions() as session:

@@ -17,6 +17,7 @@ from peagle_core.catalogue import CatalogueError, datasets_dir, lookup
 from peagle_core.catalogue.pins import DATASETS, DatasetEntry, source_provenance
 from peagle_core.catalogue.wheels import open_member
 from peagle_core.data.formats import SHAREGPT_ROLES, parse_row
+from peagle_core.data.source import provenance_path
 from peagle_core.errors import DataError
 from peagle_core.io import atomic_write_bytes, atomic_write_json, sha256_file
 
@@ -28,10 +29,6 @@ Record = tuple[list[dict[str, str]], str | None, str] | str
 
 def dataset_entry(name: str) -> DatasetEntry:
     return lookup(DATASETS, "dataset", name)
-
-
-def provenance_path(out: Path) -> Path:
-    return out.with_name(out.name + ".provenance.json")
 
 
 # ------------------------------------------------------------------------------ readers

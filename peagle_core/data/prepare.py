@@ -17,10 +17,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from peagle_core.data.chat import tokenize_conversation
-from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, iter_rows, require_dataset_file
+from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, iter_rows
+from peagle_core.data.source import InputFile
 from peagle_core.data.vocab import build_draft_vocab, token_counts
 from peagle_core.errors import DataError, VerifierError
-from peagle_core.io import atomic_dir, atomic_write_json, sha256_file
+from peagle_core.io import atomic_dir, atomic_write_json
 from peagle_core.keys import content_key
 from peagle_core.spec import JobSpec
 
@@ -134,7 +135,7 @@ def _tokenize_rows(
 
 def prepare_dataset(
     verifier_path: str | Path,
-    data_path: str | Path,
+    data_path: str | Path | InputFile,
     out_dir: str | Path,
     seq_len: int,
     fmt: str = "auto",
@@ -149,11 +150,12 @@ def prepare_dataset(
     The file is read one line at a time (each at most `max_line_bytes`) and every row is kept only as
     its compact token tensors, so memory follows the tokens kept, not the JSON text. Raises DataError
     naming the line for any bad row (including one with no trainable token left after truncation),
-    before anything is written.
+    before anything is written. `data_path` given as an `InputFile` is not hashed again.
     """
     if seq_len < _UNTRAINABLE_PREFIX + 1:
         raise DataError(f"seq_len must be >= {_UNTRAINABLE_PREFIX + 1}, got {seq_len}", param="seq_len")
-    data_path = require_dataset_file(data_path)
+    source = InputFile.coerce(data_path)
+    data_path = source.path
     tokenizer, config, verifier_dir = _load_tokenizer_and_config(
         str(verifier_path), revision, trust_remote_code
     )
@@ -175,7 +177,7 @@ def prepare_dataset(
     d2t, t2d = build_draft_vocab(token_counts(input_ids, loss_mask, vocab_size), draft_vocab_size)
     covered = float(t2d[input_ids[loss_mask.bool()].long()].float().mean())
     tok_fp = tokenizer_fingerprint(tokenizer)
-    source_sha = sha256_file(data_path)
+    source_sha = source.sha256
     # The data's own identity (the hidden-state cache checks it): what the tokens depend on.
     fp = content_key("prepared_data", tok_fp, source_sha, seq_len, source_format, max_samples)
     manifest = {
@@ -204,7 +206,10 @@ def prepare_dataset(
 
 
 def prepare_for_spec(
-    spec: JobSpec, data_path: str | Path, out_dir: str | Path, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    spec: JobSpec,
+    data_path: str | Path | InputFile,
+    out_dir: str | Path,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> PreparedDataset:
     """`prepare_dataset` with the verifier, sequence length, format and vocabulary of a job spec."""
     return prepare_dataset(

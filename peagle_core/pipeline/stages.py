@@ -12,18 +12,23 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from peagle_core import keys as stage_keys
-from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, require_dataset_file
+from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES
+from peagle_core.data.source import InputFile
 from peagle_core.errors import DataError
-from peagle_core.io import atomic_dir, sha256_file
+from peagle_core.io import atomic_dir
 from peagle_core.keys import HIDDEN_STATES, PREPARE, REGENERATE
 from peagle_core.spec import JobSpec
 from peagle_core.training.result import PipelineResult
+
+if TYPE_CHECKING:
+    from peagle_core.regeneration.rewrite import RegenReport
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +134,7 @@ class Pipeline:
 
     spec: JobSpec
     store: Store
-    source: Path
-    source_sha256: str
+    source: InputFile  # checked and hashed once: every stage reads this identity
     verifier_fp: str
     scratch: Path
     work_dir: Path
@@ -144,28 +148,25 @@ class Pipeline:
         work_dir: Path,
         *,
         store: Store | None = None,
-        source: Path | None = None,
-        source_sha256: str | None = None,
+        source: InputFile | None = None,
         scratch: Path | None = None,
         callbacks: Callbacks | None = None,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ) -> Pipeline:
         """The pipeline of `spec` in `work_dir` (checkpoints, export), reusing the stage outputs `store`
         holds (default: a `LocalStore` in `work_dir`). `source` is the JSONL to train on (default
-        `dataset.path`; its sha256 is computed unless given); `scratch` holds a remote store's outputs on
-        this machine. Hashes the source and the verifier's files (memoised per process)."""
+        `dataset.path`, checked and hashed here); `scratch` holds a remote store's outputs on this machine.
+        Hashes the verifier's files (memoised per process)."""
         if source is None:
             if spec.dataset.path is None:
                 raise DataError(
                     "dataset.id needs the service to resolve it to a file; give dataset.path", param="dataset"
                 )
-            source = Path(spec.dataset.path)
-        require_dataset_file(source, param="dataset.path")
+            source = InputFile.of(spec.dataset.path, param="dataset.path")
         return cls(
             spec,
             store if store is not None else LocalStore(work_dir),
             source,
-            source_sha256 or sha256_file(source),
             stage_keys.verifier_fingerprint(spec.verifier.name_or_path, spec.verifier.revision),
             scratch or work_dir / "scratch",
             work_dir,
@@ -208,7 +209,7 @@ class Pipeline:
             PREPARE: stage_keys.prepare_key,
             HIDDEN_STATES: stage_keys.hidden_states_key,
         }[stage]
-        return key_fn(self.spec, self.source_sha256, self.verifier_fp)
+        return key_fn(self.spec, self.source.sha256, self.verifier_fp)
 
     def _location(self, prefix: str, stage: str) -> tuple[str, Path | None]:
         key = f"{prefix}/{self._key(stage)}"
@@ -233,19 +234,24 @@ class Pipeline:
 
     # -- regenerate --------------------------------------------------------------------------------
 
-    def regenerate(self) -> Path | None:
+    def regenerate(self) -> InputFile | None:
         """The regenerated JSONL: reused, resumed or run. None when a stop request ended it."""
-        from peagle_core.regeneration.rewrite import (
-            RegenReport,
-            params_for_spec,
-            provenance_path,
-            read_provenance,
-            rewrite_dataset,
-        )
+        key, work = self._regeneration_dir()
+        # Two jobs asking for the same rewrite on one machine: the second waits, then finds it finished.
+        with _locked(work):
+            reused = self._reuse_regenerated(key, work)
+            if reused is not None:
+                return reused
+            report = self._rewrite(work / REGENERATED)
+            if report.status == "stopped":
+                return None
+        return self._publish_regenerated(key, work, report)
 
-        spec, cb = self.spec, self.cb
-        params = params_for_spec(spec)
-        fp = self._key(REGENERATE)
+    def _regeneration_dir(self) -> tuple[str, Path]:
+        """The regeneration's store key and its directory on this machine: the store's own when local,
+        else scratch, fetched from the store when it holds a finished output scratch lacks."""
+        from peagle_core.regeneration.rewrite import provenance_path, read_provenance
+
         key, local = self._location("regenerated", REGENERATE)
         work = local if local is not None else self.scratch / key
         out = work / REGENERATED
@@ -256,62 +262,69 @@ class Pipeline:
         ):
             self.store.fetch_dir(key, work)
         work.mkdir(parents=True, exist_ok=True)
-        # Two jobs asking for the same rewrite on one machine: the second waits, then finds it finished.
-        with open(work / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            prov = read_provenance(out)
-            if prov is not None and prov.get("fingerprint") == fp:
-                cb.log(REGENERATE, f"reusing regenerated data {fp[:12]} ({prov['counts']['written']} conversations)",
-                       reused=True, fingerprint=fp, counts=prov["counts"])  # fmt: skip
-                cb.stored("regenerated", key, work)
-                return out
-            resumed = _work_log_rows(out.with_name(out.name + ".parts"))
-            cb.event(REGENERATE, "regenerating answers", engine=params.engine,
-                     max_new_tokens=params.max_new_tokens, fingerprint=fp, resume_from=resumed)  # fmt: skip
-            if resumed:
-                cb.log(
-                    REGENERATE, f"resuming regeneration after {resumed} conversations", resume_from=resumed
-                )
+        return key, work
 
-            def progress(r: RegenReport) -> None:
-                if cb.on_progress is None:
-                    return
-                left = r.total - r.conversations
-                rate = (r.conversations - r.resumed_from) / r.seconds if r.seconds > 0 else 0.0
-                eta = round(left / rate, 1) if rate > 0 else None
-                cb.on_progress({"regenerate": {"done": r.conversations, "total": r.total, "eta_s": eta,
-                                               "tokens_per_s": round(r.tokens_per_s, 1)}, "eta_s": eta})  # fmt: skip
+    def _reuse_regenerated(self, key: str, work: Path) -> InputFile | None:
+        """The finished regeneration in `work` with this job's fingerprint, announced as reused; else None."""
+        from peagle_core.regeneration.rewrite import finished_regeneration, regenerated_file
 
-            report = rewrite_dataset(
-                spec.verifier.name_or_path,
-                self.source,
-                out,
-                params,
-                revision=spec.verifier.revision,
-                trust_remote_code=spec.verifier.trust_remote_code,
-                on_progress=progress,
-                should_stop=cb.should_stop_now or cb.should_stop,
-                verifier_fp=self.verifier_fp,
-            )
-            if report.status == "stopped":
-                cb.log(REGENERATE, f"regeneration stopped after {report.conversations} of {report.total} "
-                       "conversations", **report.to_dict())  # fmt: skip
-                return None
-        cb.log(
+        fp = self._key(REGENERATE)
+        prov = finished_regeneration(work / REGENERATED, fp)
+        if prov is None:
+            return None
+        self.cb.log(REGENERATE, f"reusing regenerated data {fp[:12]} ({prov['counts']['written']} conversations)",
+                    reused=True, fingerprint=fp, counts=prov["counts"])  # fmt: skip
+        self.cb.stored("regenerated", key, work)
+        return regenerated_file(work / REGENERATED, prov)
+
+    def _rewrite(self, out: Path) -> RegenReport:
+        """Run (or resume) the rewrite into `out`, reporting its progress and ETA; logs a stop."""
+        from peagle_core.regeneration.rewrite import params_for_spec, rewrite_dataset
+
+        spec, cb = self.spec, self.cb
+        params = params_for_spec(spec)
+        resumed = _work_log_rows(out.with_name(out.name + ".parts"))
+        cb.event(REGENERATE, "regenerating answers", engine=params.engine,
+                 max_new_tokens=params.max_new_tokens, fingerprint=self._key(REGENERATE),
+                 resume_from=resumed)  # fmt: skip
+        if resumed:
+            cb.log(REGENERATE, f"resuming regeneration after {resumed} conversations", resume_from=resumed)
+        report = rewrite_dataset(
+            spec.verifier.name_or_path,
+            self.source,
+            out,
+            params,
+            revision=spec.verifier.revision,
+            trust_remote_code=spec.verifier.trust_remote_code,
+            on_progress=_regeneration_progress(cb),
+            should_stop=cb.should_stop_now or cb.should_stop,
+            verifier_fp=self.verifier_fp,
+        )
+        if report.status == "stopped":
+            cb.log(REGENERATE, f"regeneration stopped after {report.conversations} of {report.total} "
+                   "conversations", **report.to_dict())  # fmt: skip
+        return report
+
+    def _publish_regenerated(self, key: str, work: Path, report: RegenReport) -> InputFile:
+        """Announce the finished rewrite, publish it to a remote store, and hand it on as an input."""
+        from peagle_core.regeneration.rewrite import read_provenance, regenerated_file
+
+        self.cb.log(
             REGENERATE,
             f"regenerated {report.written} conversations ({report.turns} turns; {report.skipped_prompt_too_long} "
             f"prompts too long, {report.dropped_empty} empty answers dropped, {report.hit_max_new_tokens} hit "
             f"max_new_tokens) at {report.tokens_per_s:.0f} tokens/s",
             **report.to_dict(),
         )
-        if local is None:
+        if self.store.local_path(key) is None:
             self.store.publish_dir(work, key)
-        cb.stored("regenerated", key, work)
-        return out
+        self.cb.stored("regenerated", key, work)
+        out = work / REGENERATED
+        return regenerated_file(out, read_provenance(out) or {})
 
     # -- prepare -----------------------------------------------------------------------------------
 
-    def prepare(self, source: Path) -> Path:
+    def prepare(self, source: InputFile) -> Path:
         """The prepared dataset directory, shared by every job with the same stage key."""
         from peagle_core.data.prepare import MANIFEST, prepare_for_spec
 
@@ -346,6 +359,29 @@ class Pipeline:
         path = local if local is not None else self.scratch / key
         self.cb.stored("cache", key, path)  # charged now (a reuse keeps it alive) and again after training
         return path
+
+
+@contextmanager
+def _locked(work: Path) -> Iterator[None]:
+    """An exclusive lock on `work` (a `.lock` file in it) for the block: one process at a time."""
+    with open(work / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _regeneration_progress(cb: Callbacks) -> Callable[[RegenReport], None]:
+    """A rewrite's progress as `cb.on_progress` fields: conversations done of total, speed and ETA."""
+
+    def progress(r: RegenReport) -> None:
+        if cb.on_progress is None:
+            return
+        left = r.total - r.conversations
+        rate = (r.conversations - r.resumed_from) / r.seconds if r.seconds > 0 else 0.0
+        eta = round(left / rate, 1) if rate > 0 else None
+        cb.on_progress({"regenerate": {"done": r.conversations, "total": r.total, "eta_s": eta,
+                                       "tokens_per_s": round(r.tokens_per_s, 1)}, "eta_s": eta})  # fmt: skip
+
+    return progress
 
 
 def _work_log_rows(path: Path) -> int:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from peagle_core.data.chat import encode, render
-from peagle_core.data.formats import Row, iter_rows, require_dataset_file
+from peagle_core.data.formats import Row, iter_rows
+from peagle_core.data.source import InputFile, provenance_path
 from peagle_core.errors import DataError
 from peagle_core.io import atomic_write_bytes, atomic_write_json, sha256_file
 from peagle_core.keys import (
@@ -85,10 +86,6 @@ def work_log_path(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
-def provenance_path(out: Path) -> Path:
-    return out.with_name(out.name + ".provenance.json")
-
-
 def read_provenance(out: str | Path) -> dict[str, Any] | None:
     """The provenance of a finished regeneration at `out`, or None when it is missing or unfinished."""
     out = Path(out)
@@ -97,6 +94,19 @@ def read_provenance(out: str | Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return prov if out.is_file() else None
+
+
+def finished_regeneration(out: str | Path, fingerprint: str) -> dict[str, Any] | None:
+    """The provenance at `out` when it records a finished regeneration with `fingerprint` (the reuse
+    check), else None."""
+    prov = read_provenance(out)
+    return prov if prov is not None and prov.get("fingerprint") == fingerprint else None
+
+
+def regenerated_file(out: str | Path, prov: dict[str, Any]) -> InputFile:
+    """The finished output `out` as the next stage's input, its sha256 the one its provenance records
+    (hashed once, when it was written)."""
+    return InputFile.of(out, sha256=prov.get("output_sha256"))
 
 
 # ------------------------------------------------------------------------------ the rewrite
@@ -247,7 +257,7 @@ class _WorkLog:
 
 def rewrite_dataset(
     verifier: str,
-    data_path: str | Path,
+    data_path: str | Path | InputFile,
     out: str | Path,
     params: RegenParams,
     *,
@@ -264,14 +274,15 @@ def rewrite_dataset(
     Resumes from `OUT.parts` when a run with the same fingerprint was interrupted; returns at once
     (`reused=True`) when `out` already holds it. `vllm_engine` (engine "vllm") is an engine handle to
     reuse, else one is started for this call. `should_stop` is checked before each batch of generations.
+    `data_path` given as an `InputFile` is not hashed again.
     """
     out = Path(out)
-    data_path = require_dataset_file(data_path)
-    source_sha = sha256_file(data_path)
+    source = InputFile.coerce(data_path)
+    data_path, source_sha = source.path, source.sha256
     verifier_fp = verifier_fp or verifier_fingerprint(verifier, revision)
     fp = regenerate_key_from_params(params, source_sha, verifier_fp)
-    prov = read_provenance(out)
-    if prov is not None and prov.get("fingerprint") == fp:
+    prov = finished_regeneration(out, fp)
+    if prov is not None:
         return RegenReport(**{**prov["counts"], "fingerprint": fp, "reused": True, "status": "completed"})
 
     source_format, rows = _read_chat_rows(data_path, params)

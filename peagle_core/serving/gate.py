@@ -22,6 +22,7 @@ from peagle_core.io import atomic_write_bytes
 from peagle_core.serving.categories import pool_runs, run_categories
 
 if TYPE_CHECKING:
+    from peagle_core.evaluation.report import AcceptanceFigures
     from peagle_core.vllm_engine import VllmEngine
 
 SERVING_FILE = "serving.json"
@@ -102,6 +103,15 @@ class Acceptance:
             float(result["acceptance_length"]),
             [float(r) for r in result.get("acceptance_rate_per_position") or []],
             int(result.get("verifier_passes") or 0),
+        )
+
+    @classmethod
+    def of_figures(cls, figures: AcceptanceFigures) -> Acceptance | None:
+        """From our evaluator's figures in an `EvaluationReport` (None when it measured no length)."""
+        if figures.acceptance_length is None:
+            return None
+        return cls(
+            float(figures.acceptance_length), [float(r) for r in figures.rates], figures.verifier_passes or 0
         )
 
     def variance(self) -> float:

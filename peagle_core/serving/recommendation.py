@@ -119,7 +119,11 @@ class ServingRecommendation:
         """The recommendation stored under `recommendation` in `holder`: a serving check's dict
         (`ServingCheck.to_dict()`, the evaluation's `serving`) or a succeeded job's progress; None for
         checks recorded without one, or before there was one."""
-        stored = (holder or {}).get("recommendation")
+        return cls.parse((holder or {}).get("recommendation"))
+
+    @classmethod
+    def parse(cls, stored: Any) -> ServingRecommendation | None:
+        """A stored recommendation (`to_dict()`), or None when `stored` is not one."""
         if not isinstance(stored, Mapping) or not isinstance(stored.get("batches"), list):
             return None
         return cls.from_dict(stored)

@@ -25,6 +25,7 @@ from peagle_core.data import PreparedDataset
 from peagle_core.data.packing import StepShard, step_shards
 from peagle_core.errors import DataError, TrainingDiverged
 from peagle_core.evaluation.acceptance import EvalResult, evaluate
+from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, KResult
 from peagle_core.hidden_states.loader import BatchLoader, HiddenStateSource
 from peagle_core.hidden_states.verifier import Verifier
 from peagle_core.io import atomic_write_json
@@ -142,7 +143,7 @@ class Progress:
     bins_done: int = 0  # the epoch's packed rows consumed so far, over all ranks
     metrics: dict[str, Any] = field(default_factory=dict)  # the last step's
     checkpoint: Path | None = None  # the newest training checkpoint
-    evaluation: dict[str, Any] | None = None  # the last evaluation's results
+    evaluation: EvaluationReport | None = None  # the last evaluation's
     stopped: bool = False
     nonfinite_steps: int = 0  # consecutive steps whose loss or gradient norm was NaN/infinite
 
@@ -429,27 +430,28 @@ def train_step(run: Trainer, batches: Iterator[Any], shard: StepShard, *, epoch:
 # -------------------------------------------------------------------------------- evaluation and checkpoints
 
 
-def maybe_evaluate(run: Trainer, progress: Progress) -> dict[str, Any] | None:
-    """Evaluate every `eval_every_steps` and at the last step; returns this step's results (else None)."""
+def maybe_evaluate(run: Trainer, progress: Progress) -> EvaluationReport | None:
+    """Evaluate every `eval_every_steps` and at the last step; returns this step's report (else None)."""
     every = run.spec.training.eval_every_steps
     due = (every is not None and progress.step % every == 0) or progress.step >= run.total_steps
     if not due:
         return None
     result = evaluate_drafter(run, progress.step, final=progress.step >= run.total_steps)
-    if result:
+    if result is not None:
         progress.evaluation = result
     return result
 
 
-def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str, Any]:
-    """Acceptance length at every evaluated K on the held-out prompts (rank 0; {} elsewhere): ours, vLLM's
-    spec-decode counters, or both (`evaluation.engine`), with a warning when the two disagree. Only the
-    final evaluation is the `eval` stage; one mid-training is an `evaluation` event within `train`."""
+def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> EvaluationReport | None:
+    """Acceptance length at every evaluated K on the held-out prompts (rank 0; None elsewhere, or
+    without prompts): ours, vLLM's spec-decode counters, or both (`evaluation.engine`), with a warning when
+    the two disagree. Only the final evaluation is the `eval` stage; one mid-training is an `evaluation`
+    event within `train`."""
     if not run.prompts:
-        return {}
+        return None
     model = sharding.full_model(run.model, run.info)  # a collective under FSDP
     if model is None or not run.info.is_main:
-        return {}
+        return None
     ks = run.spec.speculative_tokens
     engines = [name for name, on in (("peagle", run.engines.ours), ("vllm", run.engines.vllm)) if on]
     run.hooks.event(
@@ -458,13 +460,14 @@ def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str
         prompts=len(run.prompts),
         engines=engines,
     )
-    results: dict[str, dict[str, Any]] = {f"k={k}": {"k": k} for k in ks}
+    report = EvaluationReport(step=step, results={k: KResult(k) for k in ks})
     if run.engines.ours:
         for k in ks:
             r, categories = evaluate_ours(run, model, k)
-            results[f"k={k}"].update(r.to_dict())
-            if categories:
-                results[f"k={k}"]["categories"] = categories
+            ours = {key: v for key, v in r.to_dict().items() if key != "k"}
+            report.results[k].ours = AcceptanceFigures.from_dict(
+                ours | {"categories": categories} if categories else ours
+            )
             run.hooks.report(
                 {"step": step, f"eval/acceptance_length@{k}": r.acceptance_length}
                 | per_position_metrics("eval/acceptance_rate", k, r.acceptance_rate_per_position)
@@ -472,9 +475,9 @@ def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> dict[str
     if run.engines.vllm and run.judge is not None:
         figures = run.judge.evaluate_model(model, ks, verifier_config=run.verifier.config)
         for k, fig in figures.items():
-            results[f"k={k}"]["vllm"] = fig
-        report_vllm_figures(run, step, results)
-    return {"step": step, "results": results}
+            report.results[k].vllm = AcceptanceFigures.from_dict(fig)
+        report_vllm_figures(run, step, report)
+    return report
 
 
 def evaluate_ours(
@@ -500,19 +503,17 @@ def per_position_metrics(prefix: str, k: int, rates: list[float]) -> dict[str, f
     return {f"{prefix}@{k}_pos{j + 1}": rate for j, rate in enumerate(rates)}
 
 
-def report_vllm_figures(run: Trainer, step: int, results: dict[str, dict[str, Any]]) -> None:
+def report_vllm_figures(run: Trainer, step: int, report: EvaluationReport) -> None:
     """Report vLLM's acceptance length per K, and warn when it and ours differ by more than 3%."""
-    for r in results.values():
-        theirs = r.get("vllm", {}).get("acceptance_length")
-        if theirs is None:
+    for k, r in report.results.items():
+        theirs = r.vllm.acceptance_length if r.vllm is not None else None
+        if r.vllm is None or theirs is None:
             continue
-        k = r["k"]
-        rates = r["vllm"].get("acceptance_rate_per_position") or []
         run.hooks.report(
             {"step": step, f"eval/vllm_acceptance_length@{k}": theirs}
-            | per_position_metrics("eval/vllm_acceptance_rate", k, rates)
+            | per_position_metrics("eval/vllm_acceptance_rate", k, r.vllm.rates)
         )
-        ours = r.get("acceptance_length")
+        ours = r.ours.acceptance_length if r.ours is not None else None
         if ours is not None and agreement_gap(ours, theirs) > GAP_TOLERANCE:
             run.hooks.event(
                 "eval_gap",
@@ -546,7 +547,7 @@ def check_divergence(run: Trainer, progress: Progress) -> None:
 
 
 def maybe_checkpoint(
-    run: Trainer, progress: Progress, evaluation: dict[str, Any] | None, *, epoch_len: int
+    run: Trainer, progress: Progress, evaluation: EvaluationReport | None, *, epoch_len: int
 ) -> None:
     """Save a training checkpoint every `checkpoint_every_steps`, at the last step and when stopping.
 
@@ -576,7 +577,7 @@ def maybe_checkpoint(
         position=position,
         info=run.info,
         metrics=progress.metrics,
-        extra_json={"eval.json": evaluation} if evaluation else None,
+        extra_json={"eval.json": evaluation.to_dict()} if evaluation is not None else None,
     )
 
 
@@ -608,7 +609,7 @@ def _unverified(_checkpoint_dir: Path, reason: str) -> ServingCheck:
 
 def export_drafter(
     run: Trainer, progress: Progress, whole: PEagleDraftModel | None
-) -> tuple[Path | None, dict[str, Any] | None, ServingCheck | None]:
+) -> tuple[Path | None, EvaluationReport | None, ServingCheck | None]:
     """Rank 0 writes the validated export of `whole` (the drafter gathered by `sharding.full_model`) to
     out_dir/export/step_N with eval.json beside it; returns the export directory, its evaluation and the
     serving verdict (None, None, None on other ranks)."""
@@ -620,28 +621,6 @@ def export_drafter(
         export_dir = run.out_dir / "export" / f"step_{progress.step}"
         summary = {**_eval_summary(progress.evaluation), "train/loss": progress.metrics.get("loss")}
         k = max(run.spec.speculative_tokens)
-        if run.engines.gate and run.judge is not None:
-            run.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=progress.step)
-            ours = ((progress.evaluation or {}).get("results") or {}).get(f"k={k}") or {}
-            gate: Callable[[Path], ServingCheck] = partial(
-                run.judge.gate,
-                k=k,
-                # The collapse check: vLLM's acceptance against ours at K on the same prompts.
-                ours=Acceptance.of(ours) if "acceptance_length" in ours else None,
-                measure_speedup=run.spec.evaluation.measure_speedup,
-                speedup_ks=run.spec.speculative_tokens,
-                speedup_batch_sizes=run.spec.evaluation.speedup_batch_sizes,
-                speedup_rounds=run.spec.evaluation.speedup_rounds,
-            )
-        else:
-            reason = run.engines.gate_off_reason or "no serving check was run"
-            gate = partial(_unverified, reason=reason)
-        verdicts: list[ServingCheck] = []
-
-        def serving(checkpoint_dir: Path) -> ServingCheck:
-            verdicts.append(gate(checkpoint_dir))
-            return verdicts[-1]
-
         export_checkpoint(
             whole,
             export_dir,
@@ -651,24 +630,50 @@ def export_drafter(
             metrics={k: v for k, v in summary.items() if v is not None},
             speculative_tokens=k,
             dtype=run.spec.export.dtype,
-            serving=serving,
+            serving=publish_gate(run, progress, k),
         )
-        check = verdicts[-1]
-        if check.status == "verified":
-            run.hooks.event(
-                "serving",
-                f"vLLM served the checkpoint: acceptance length {check.acceptance_length:.3f} at K={k}",
-                serving=check.to_dict(),
-            )
-            if check.speedup and check.speedup.get("speedup") is not None:
-                run.hooks.report({"step": progress.step, f"eval/vllm_speedup@{k}": check.speedup["speedup"]})
-            if (recommendation := ServingRecommendation.of(check.to_dict())) is not None:
-                run.hooks.event("serving", recommendation.sentence(), recommendation=check.recommendation)
-        evaluation = {**(progress.evaluation or {}), "serving": check.to_dict()}
+        check = ServingCheck.load(export_dir)  # the verdict the export was published under
+        assert check is not None  # export_checkpoint saves one with every export
+        announce_verdict(run, progress.step, check, k)
+        evaluation = (progress.evaluation or EvaluationReport()).with_serving(check.to_dict())
         progress.evaluation = evaluation  # the final metrics read the speed-up from it
-        atomic_write_json(export_dir / "eval.json", evaluation)
+        atomic_write_json(export_dir / "eval.json", evaluation.to_dict())
     dist_utils.barrier(run.info)
     return export_dir, evaluation, check
+
+
+def publish_gate(run: Trainer, progress: Progress, k: int) -> Callable[[Path], ServingCheck]:
+    """The check an export at K must pass to be published: vLLM's (lossless, acceptance not collapsed
+    against ours at K, speed-ups when asked) where it runs, else an `unverified` verdict saying why."""
+    if not (run.engines.gate and run.judge is not None):
+        return partial(_unverified, reason=run.engines.gate_off_reason or "no serving check was run")
+    run.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=progress.step)
+    ours = progress.evaluation.ours(k) if progress.evaluation is not None else None
+    return partial(
+        run.judge.gate,
+        k=k,
+        # The collapse check: vLLM's acceptance against ours at K on the same prompts.
+        ours=Acceptance.of_figures(ours) if ours is not None else None,
+        measure_speedup=run.spec.evaluation.measure_speedup,
+        speedup_ks=run.spec.speculative_tokens,
+        speedup_batch_sizes=run.spec.evaluation.speedup_batch_sizes,
+        speedup_rounds=run.spec.evaluation.speedup_rounds,
+    )
+
+
+def announce_verdict(run: Trainer, step: int, check: ServingCheck, k: int) -> None:
+    """A verified export's figures as events and metrics: vLLM's acceptance, speed-up, recommendation."""
+    if check.status != "verified":
+        return
+    run.hooks.event(
+        "serving",
+        f"vLLM served the checkpoint: acceptance length {check.acceptance_length:.3f} at K={k}",
+        serving=check.to_dict(),
+    )
+    if check.speedup and check.speedup.get("speedup") is not None:
+        run.hooks.report({"step": step, f"eval/vllm_speedup@{k}": check.speedup["speedup"]})
+    if (recommendation := ServingRecommendation.of(check.to_dict())) is not None:
+        run.hooks.event("serving", recommendation.sentence(), recommendation=check.recommendation)
 
 
 def _step_metrics(
@@ -687,18 +692,19 @@ def _step_metrics(
     return out
 
 
-def _eval_summary(eval_result: dict[str, Any] | None) -> dict[str, float]:
-    if not eval_result:
+def _eval_summary(report: EvaluationReport | None) -> dict[str, float]:
+    if report is None:
         return {}
     out = {}
-    for r in eval_result.get("results", {}).values():
-        if "acceptance_length" in r:
-            out[f"eval/acceptance_length@{r['k']}"] = r["acceptance_length"]
-        if "vllm" in r:
-            out[f"eval/vllm_acceptance_length@{r['k']}"] = r["vllm"]["acceptance_length"]
-    speedup = ((eval_result.get("serving") or {}).get("speedup") or {}).get("speedup")
+    for k, r in report.results.items():
+        if r.ours is not None and r.ours.acceptance_length is not None:
+            out[f"eval/acceptance_length@{k}"] = r.ours.acceptance_length
+        if r.vllm is not None:
+            out[f"eval/vllm_acceptance_length@{k}"] = r.vllm.acceptance_length
+    serving = report.serving
+    speedup = serving.speedup.speedup if serving is not None and serving.speedup is not None else None
     if speedup is not None:
-        out[f"eval/vllm_speedup@{eval_result['serving']['k']}"] = speedup
+        out[f"eval/vllm_speedup@{serving.k}"] = speedup
     return out
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from peagle_core.evaluation.report import EvaluationReport
 from peagle_core.serving.gate import ServingCheck
 
 
@@ -19,7 +20,7 @@ class PipelineResult:
     checkpoint_dir: Path | None = None  # the newest training checkpoint
     export_dir: Path | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
-    evaluation: dict[str, Any] | None = None  # the export's eval.json (with `serving`)
+    evaluation: EvaluationReport | None = None  # the export's eval.json (with `serving`)
     serving: ServingCheck | None = None  # the publish gate's verdict on the export
     model: Any = field(default=None, repr=False, compare=False)  # the trained drafter (this process's copy)
 
@@ -35,7 +36,7 @@ class PipelineResult:
             "checkpoint_dir": str(self.checkpoint_dir) if self.checkpoint_dir else None,
             "export_dir": str(self.export_dir) if self.export_dir else None,
             "metrics": self.metrics,
-            "evaluation": self.evaluation,
+            "evaluation": self.evaluation.to_dict() if self.evaluation is not None else None,
             "serving": self.serving.to_dict() if self.serving else None,
         }
 
@@ -47,6 +48,6 @@ class PipelineResult:
             checkpoint_dir=Path(d["checkpoint_dir"]) if d.get("checkpoint_dir") else None,
             export_dir=Path(d["export_dir"]) if d.get("export_dir") else None,
             metrics=dict(d.get("metrics") or {}),
-            evaluation=d.get("evaluation"),
+            evaluation=EvaluationReport.from_dict(d["evaluation"]) if d.get("evaluation") else None,
             serving=ServingCheck(**d["serving"]) if d.get("serving") else None,
         )

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
+from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, k_key
 from peagle_core.serving.command import serve_command
 from peagle_core.serving.recommendation import NGRAM, ServingRecommendation
 from service.db.models import Checkpoint, Job, JobEvent, Project, utcnow
@@ -102,46 +103,42 @@ def render(
     return response
 
 
-def _eval(ckpt: Checkpoint) -> dict[str, Any]:
-    return (ckpt.metrics or {}).get("eval") or {}
+def _eval(ckpt: Checkpoint) -> EvaluationReport:
+    return EvaluationReport.from_dict((ckpt.metrics or {}).get("eval"))
 
 
 def checkpoint_acceptance(ckpt: Checkpoint) -> dict[str, float]:
     """{"k=4": 2.1, ...}: our evaluation's acceptance length per K, from the checkpoint's eval.json."""
-    results = _eval(ckpt).get("results") or {}
     return {
-        k: float(r["acceptance_length"])
-        for k, r in results.items()
-        if isinstance(r, dict) and isinstance(r.get("acceptance_length"), int | float)
+        k_key(k): float(r.ours.acceptance_length)
+        for k, r in _eval(ckpt).results.items()
+        if r.ours is not None and r.ours.acceptance_length is not None
     }
 
 
-def _vllm_figures(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
+def _vllm_figures(ckpt: Checkpoint) -> dict[str, AcceptanceFigures]:
     """vLLM's figures per K where it measured them: its spec-decode counters during our evaluation
     (`evaluation.engine`), else the publish check's run on the published files."""
-    out = {}
-    for k, r in (_eval(ckpt).get("results") or {}).items():
-        fig = r.get("vllm") if isinstance(r, dict) else None
-        if isinstance(fig, dict) and _num(fig.get("acceptance_length")) is not None:
-            out[k] = fig
-    serving = _eval(ckpt).get("serving") or {}
-    measured = isinstance(serving, dict) and _num(serving.get("acceptance_length")) is not None
-    if not out and measured and isinstance(serving.get("k"), int):
-        out[f"k={serving['k']}"] = serving
+    report = _eval(ckpt)
+    out = {
+        k_key(k): r.vllm
+        for k, r in report.results.items()
+        if r.vllm is not None and r.vllm.acceptance_length is not None
+    }
+    serving = report.serving
+    measured = serving is not None and serving.figures.acceptance_length is not None
+    if not out and measured and serving.k is not None:
+        out[k_key(serving.k)] = serving.figures
     return out
 
 
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _rates(value: Any) -> list[float]:
-    return [float(v) for v in value if _num(v) is not None] if isinstance(value, list) else []
+def _float(value: float | None) -> float | None:
+    return float(value) if value is not None else None
 
 
 def vllm_acceptance(ckpt: Checkpoint) -> dict[str, float]:
     """vLLM's acceptance length per K where it was measured."""
-    return {k: float(fig["acceptance_length"]) for k, fig in _vllm_figures(ckpt).items()}
+    return {k: float(fig.acceptance_length or 0.0) for k, fig in _vllm_figures(ckpt).items()}
 
 
 @dataclass
@@ -154,12 +151,8 @@ class PositionRow:
 
 def acceptance_by_position(ckpt: Checkpoint) -> list[PositionRow]:
     """Per K and draft position: our acceptance rate and vLLM's, where each was measured."""
-    ours = {
-        k: _rates(r.get("acceptance_rate_per_position"))
-        for k, r in (_eval(ckpt).get("results") or {}).items()
-        if isinstance(r, dict)
-    }
-    theirs = {k: _rates(fig.get("acceptance_rate_per_position")) for k, fig in _vllm_figures(ckpt).items()}
+    ours = {k_key(k): r.ours.rates if r.ours else [] for k, r in _eval(ckpt).results.items()}
+    theirs = {k: fig.rates for k, fig in _vllm_figures(ckpt).items()}
     rows = []
     for k in dict.fromkeys([*ours, *theirs]):
         a, b = ours.get(k, []), theirs.get(k, [])
@@ -180,26 +173,21 @@ class CategoryRow:
 def acceptance_by_category(ckpt: Checkpoint) -> list[CategoryRow]:
     """Per K and prompt category (where the evaluation prompts carry one): ours and vLLM's acceptance."""
 
-    def per_category(fig: Any) -> dict[str, dict[str, Any]]:
-        cats = fig.get("categories") if isinstance(fig, dict) else None
-        return {str(c): v for c, v in cats.items() if isinstance(v, dict)} if isinstance(cats, dict) else {}
+    def per_category(fig: AcceptanceFigures | None) -> dict[str, AcceptanceFigures]:
+        return dict(fig.categories or {}) if fig is not None else {}
 
-    ours = {k: per_category(r) for k, r in (_eval(ckpt).get("results") or {}).items()}
+    def length(fig: AcceptanceFigures | None) -> float | None:
+        return _float(fig.acceptance_length) if fig is not None else None
+
+    ours = {k_key(k): per_category(r.ours) for k, r in _eval(ckpt).results.items()}
     theirs = {k: per_category(fig) for k, fig in _vllm_figures(ckpt).items()}
     rows = []
     for k in dict.fromkeys([*ours, *theirs]):
         a, b = ours.get(k, {}), theirs.get(k, {})
         for cat in dict.fromkeys([*a, *b]):
-            n = (a.get(cat) or b.get(cat) or {}).get("num_prompts")
-            rows.append(
-                CategoryRow(
-                    k,
-                    cat,
-                    n if isinstance(n, int) else None,
-                    _num((a.get(cat) or {}).get("acceptance_length")),
-                    _num((b.get(cat) or {}).get("acceptance_length")),
-                )
-            )
+            first = a.get(cat) or b.get(cat)
+            n = first.num_prompts if first is not None else None
+            rows.append(CategoryRow(k, cat, n, length(a.get(cat)), length(b.get(cat))))
     return rows
 
 
@@ -215,18 +203,14 @@ class Speedup:
 
 def vllm_speedup(ckpt: Checkpoint) -> Speedup | None:
     """vLLM's measured speed-up (`evaluation.measure_speedup`), recorded by the publish check."""
-    m = (_eval(ckpt).get("serving") or {}).get("speedup")
-    if not isinstance(m, dict):
+    serving = _eval(ckpt).serving
+    m = serving.speedup if serving is not None else None
+    if m is None:
         return None
-    a, b, ratio = (
-        _num(m.get(key)) for key in ("output_tokens_per_s", "baseline_output_tokens_per_s", "speedup")
-    )
+    a, b, ratio = (_float(v) for v in (m.output_tokens_per_s, m.baseline_output_tokens_per_s, m.speedup))
     if a is None or b is None or ratio is None:
         return None
-    ints = {
-        key: m.get(key) if isinstance(m.get(key), int) else None for key in ("k", "batch_size", "prompts")
-    }
-    return Speedup(ints["k"], ints["batch_size"], ints["prompts"], a, b, ratio)
+    return Speedup(m.k, m.batch_size, m.prompts, a, b, ratio)
 
 
 @dataclass
@@ -240,20 +224,19 @@ class SpeedupRow:
 def vllm_speedups(ckpt: Checkpoint) -> list[SpeedupRow]:
     """Every speed-up the publish check measured, per speculator, K and batch size (none before there
     were several)."""
-    rows = (_eval(ckpt).get("serving") or {}).get("speedups")
+    serving = _eval(ckpt).serving
     out = []
-    for r in rows if isinstance(rows, list) else []:
-        ratio, k, batch = _num(r.get("speedup")), r.get("k"), r.get("batch_size")
-        if ratio is not None and isinstance(k, int) and isinstance(batch, int):
-            out.append(
-                SpeedupRow("vLLM ngram" if r.get("method") == NGRAM else "this drafter", k, batch, ratio)
-            )
+    for r in (serving.speedups if serving is not None else None) or []:
+        ratio, k, batch = _float(r.speedup), r.k, r.batch_size
+        if ratio is not None and k is not None and batch is not None:
+            out.append(SpeedupRow("vLLM ngram" if r.method == NGRAM else "this drafter", k, batch, ratio))
     return out
 
 
 def serving_recommendation(ckpt: Checkpoint) -> ServingRecommendation | None:
     """How to serve it, drawn from those speed-ups (None when they were not measured)."""
-    return ServingRecommendation.of(_eval(ckpt).get("serving"))
+    serving = _eval(ckpt).serving
+    return ServingRecommendation.parse(serving.recommendation) if serving is not None else None
 
 
 @dataclass
