@@ -628,6 +628,7 @@ def train_e2e(ctx: Context) -> dict[str, Any]:
     """`peagle_core.pipeline.stages.run_pipeline` end to end on the toy, as a job runs it (hybrid hidden states, bf16
     autocast on CUDA, checkpoints, evaluation, the validated export), then resumed from its last
     checkpoint for two more steps."""
+    from peagle_core.events import CallbackReporter
     from peagle_core.pipeline.stages import Callbacks, run_pipeline
 
     verifier_dir, data = _toy(ctx)
@@ -640,9 +641,10 @@ def train_e2e(ctx: Context) -> dict[str, Any]:
             losses.append(metrics["loss"])
 
     spec = _toy_spec(verifier_dir, data, ctx.shapes, "hybrid", max_steps=4, checkpoint_every_steps=2)
-    first = run_pipeline(spec, out, callbacks=Callbacks(on_metrics=record))
+    callbacks = Callbacks(reporter=CallbackReporter(metrics=record))
+    first = run_pipeline(spec, out, callbacks=callbacks)
     spec.training.max_steps = 6
-    second = run_pipeline(spec, out, callbacks=Callbacks(on_metrics=record))
+    second = run_pipeline(spec, out, callbacks=callbacks)
     fields = {
         "device": next(first.model.parameters()).device.type,
         "steps": [first.step, second.step],

@@ -103,6 +103,7 @@ def test_vllm_cache_equals_the_transformers_cache(ds, fp, hf_cache: Path, vllm_c
 def test_a_drafter_trains_the_same_from_either_engine(
     toy_verifier_dir, toy_dataset_path, prepared_dataset, hf_cache, vllm_cache, tmp_path
 ) -> None:
+    from peagle_core.events import CallbackReporter
     from peagle_core.training.loop import train
 
     curves = {}
@@ -112,7 +113,11 @@ def test_a_drafter_trains_the_same_from_either_engine(
         spec.evaluation.prompts = 0
         metrics: list[dict] = []
         result = train(
-            spec, tmp_path / name, dataset_dir=prepared_dataset, cache_dir=cache, on_metrics=metrics.append
+            spec,
+            tmp_path / name,
+            dataset_dir=prepared_dataset,
+            cache_dir=cache,
+            reporter=CallbackReporter(metrics=metrics.append),
         )
         assert result.status == "completed"
         curves[name] = torch.tensor([m["loss"] for m in metrics if "loss" in m])
