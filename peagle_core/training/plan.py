@@ -136,8 +136,8 @@ def _vllm_hidden_state_rate(spec: JobSpec, dataset: Any, work: Path) -> tuple[fl
     import torch
     from transformers import AutoConfig
 
+    from peagle_core.hidden_states.backends import vllm_config_for
     from peagle_core.hidden_states.cache import CacheFingerprint, HiddenStateCache
-    from peagle_core.hidden_states.engines import vllm_config_for
     from peagle_core.hidden_states.vllm_extract import VllmHiddenStates
     from peagle_core.model.config import default_layer_ids
 

@@ -167,7 +167,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(
 def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: Path, spec_for) -> None:
     from peagle_core.data import PreparedDataset
     from peagle_core.data.packing import pack_bins
-    from peagle_core.hidden_states.loader import BatchLoader, make_source
+    from peagle_core.hidden_states.backends import make_source
+    from peagle_core.hidden_states.loader import BatchLoader
     from peagle_core.training.builders import build_model, build_teacher
     from peagle_core.training.loop import forward_backward
 
