@@ -546,7 +546,8 @@ def make_trainer(
 def overfit(ctx: Context) -> dict[str, Any]:
     """Train the toy drafter on one packed batch until its loss collapses (bf16 autocast on CUDA)."""
     from peagle_core.data import prepare_dataset
-    from peagle_core.hidden_states.loader import BatchLoader, make_source
+    from peagle_core.hidden_states.backends import make_source
+    from peagle_core.hidden_states.loader import BatchLoader
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.training.builders import epoch_bins
     from peagle_core.training.loop import train_step
@@ -628,6 +629,7 @@ def train_e2e(ctx: Context) -> dict[str, Any]:
     """`peagle_core.pipeline.stages.run_pipeline` end to end on the toy, as a job runs it (hybrid hidden states, bf16
     autocast on CUDA, checkpoints, evaluation, the validated export), then resumed from its last
     checkpoint for two more steps."""
+    from peagle_core.events import CallbackReporter
     from peagle_core.pipeline.stages import Callbacks, run_pipeline
 
     verifier_dir, data = _toy(ctx)
@@ -640,9 +642,10 @@ def train_e2e(ctx: Context) -> dict[str, Any]:
             losses.append(metrics["loss"])
 
     spec = _toy_spec(verifier_dir, data, ctx.shapes, "hybrid", max_steps=4, checkpoint_every_steps=2)
-    first = run_pipeline(spec, out, callbacks=Callbacks(on_metrics=record))
+    callbacks = Callbacks(reporter=CallbackReporter(metrics=record))
+    first = run_pipeline(spec, out, callbacks=callbacks)
     spec.training.max_steps = 6
-    second = run_pipeline(spec, out, callbacks=Callbacks(on_metrics=record))
+    second = run_pipeline(spec, out, callbacks=callbacks)
     fields = {
         "device": next(first.model.parameters()).device.type,
         "steps": [first.step, second.step],
@@ -758,7 +761,7 @@ def _fingerprint(ctx: Context, dataset: Any) -> Any:
 
 def cache_build(ctx: Context, seq_len: int) -> dict[str, Any]:
     """Hidden-state cache build with the real-scale verifier: tokens/s end to end and of the forward."""
-    from peagle_core.hidden_states.build import build_cache
+    from peagle_core.hidden_states.build import ComputeBackend, build_cache
     from peagle_core.hidden_states.loader import VerifierCompute
 
     dataset = _dataset(ctx, seq_len)
@@ -776,7 +779,7 @@ def cache_build(ctx: Context, seq_len: int) -> dict[str, Any]:
     shutil.rmtree(cache_dir, ignore_errors=True)
     _reset_peak(ctx.device)
     t0 = time.perf_counter()
-    report = build_cache(cache_dir, dataset, timed, _fingerprint(ctx, dataset), dtype="bf16")
+    report = build_cache(cache_dir, dataset, ComputeBackend(timed), _fingerprint(ctx, dataset), dtype="bf16")
     elapsed = time.perf_counter() - t0
     ctx.caches[seq_len] = cache_dir
     tokens = sum(dataset.lengths)
@@ -855,7 +858,7 @@ def _bins(ctx: Context, spec: Any, dataset: Any, epoch: int = 0) -> list[list[in
 
 def _offline_bins(ctx: Context, seq_len: int) -> tuple[Any, Any, Any, list[list[int]]]:
     """(dataset, spec, offline source, the rows to time) over the cache `cache_build` wrote."""
-    from peagle_core.hidden_states.loader import make_source
+    from peagle_core.hidden_states.backends import make_source
 
     if seq_len not in ctx.caches:
         raise Skip(f"no complete cache for seq {seq_len} (cache_build@{seq_len} did not finish)")
@@ -911,7 +914,8 @@ def _backend(model: Any) -> str:
 
 def online_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """Verifier forward (in the loader thread) + drafter step, as `hidden_states.mode: online` runs."""
-    from peagle_core.hidden_states.loader import BatchLoader, make_source
+    from peagle_core.hidden_states.backends import make_source
+    from peagle_core.hidden_states.loader import BatchLoader
 
     end = time.monotonic() + 0.8 * cap_s
     dataset = _dataset(ctx, seq_len)
@@ -935,7 +939,8 @@ def online_step(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
 def hybrid_epoch(ctx: Context, seq_len: int, cap_s: float) -> dict[str, Any]:
     """One epoch from an empty hybrid cache (every sample computed and written back), then a second
     epoch that reads it all back; tokens/s of each."""
-    from peagle_core.hidden_states.loader import BatchLoader, make_source
+    from peagle_core.hidden_states.backends import make_source
+    from peagle_core.hidden_states.loader import BatchLoader
     from peagle_core.training.loop import train_step
 
     dataset = _dataset(ctx, seq_len)

@@ -29,9 +29,9 @@ import torch
 from peagle_core import toy
 from peagle_core.data import prepare_dataset
 from peagle_core.data.packing import pack_bins
-from peagle_core.hidden_states.build import build_cache
+from peagle_core.hidden_states.backends import VllmBackend
+from peagle_core.hidden_states.build import ComputeBackend, build_cache
 from peagle_core.hidden_states.cache import CacheFingerprint, HiddenStateCache
-from peagle_core.hidden_states.engines import build_cache_vllm
 from peagle_core.hidden_states.loader import BatchLoader, HybridSource, OfflineSource, VerifierCompute
 from peagle_core.hidden_states.verifier import Verifier
 from peagle_core.hidden_states.vllm_extract import VllmHiddenStates, VllmHiddenStatesConfig
@@ -95,7 +95,7 @@ def engine_builds(
             compute = VerifierCompute(ds, lambda: verifier)
             compute([0])  # warm-up
             t0 = time.perf_counter()
-            build_cache(out, ds, compute, fp, dtype="bf16", batch_size=16)
+            build_cache(out, ds, ComputeBackend(compute), fp, dtype="bf16", batch_size=16)
             seconds, start_s = time.perf_counter() - t0, 0.0
         else:
             config = VllmHiddenStatesConfig(
@@ -105,7 +105,7 @@ def engine_builds(
             with VllmHiddenStates(config) as vllm:
                 start_s = vllm.start_seconds
                 t0 = time.perf_counter()
-                build_cache_vllm(out, ds, fp, vllm, dtype="bf16")
+                build_cache(out, ds, VllmBackend(vllm), fp, dtype="bf16")
                 seconds = time.perf_counter() - t0
         cache = HiddenStateCache.open(out, fp)
         extra = {"engine": engine} if vdtype is None else {"engine": engine, "verifier_dtype": vdtype}
@@ -184,7 +184,7 @@ def main() -> None:
 
     for dtype in ("bf16", "fp8"):
         cache_dir = work / f"cache-{dtype}"
-        build_cache(cache_dir, ds, compute, fp, dtype=dtype, batch_size=16)
+        build_cache(cache_dir, ds, ComputeBackend(compute), fp, dtype=dtype, batch_size=16)
         cache = HiddenStateCache.open(cache_dir, fp)
         emit("bytes_per_token", cache.total_bytes / tokens, "bytes", dtype=dtype, **common)
 

@@ -22,6 +22,7 @@ def main() -> None:
     args = p.parse_args()
 
     from peagle_core.data.prepare import prepare_for_spec
+    from peagle_core.events import CallbackReporter, Event
     from peagle_core.regeneration.rewrite import params_for_spec, rewrite_dataset
     from peagle_core.spec import parse_spec
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
@@ -50,15 +51,17 @@ def main() -> None:
         prepared = prepare_for_spec(spec, regen_out, root / "prepared").path
         marks: dict[str, float] = {}
 
-        def on_event(kind: str, _message: str, _data: dict | None = None) -> None:
+        def on_event(event: Event) -> None:
             now = time.perf_counter()
-            if kind == "eval":
+            if event.kind == "eval":
                 marks.setdefault("eval", now)
             elif "eval" in marks:
                 marks.setdefault("eval_end", now)
 
         t0 = time.perf_counter()
-        train(spec, root / "run", resume=False, dataset_dir=prepared, on_event=on_event)
+        train(
+            spec, root / "run", resume=False, dataset_dir=prepared, reporter=CallbackReporter(events=on_event)
+        )
         measured["train"] = marks["eval"] - t0
         measured["eval"] = marks["eval_end"] - marks["eval"]
         for stage, seconds in measured.items():

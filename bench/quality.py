@@ -94,6 +94,7 @@ def main() -> None:
 
     from peagle_core.data.prepare import prepare_for_spec
     from peagle_core.evaluation.acceptance import evaluate, held_out_prompts
+    from peagle_core.events import CallbackReporter
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.regeneration.rewrite import RegenParams, rewrite_dataset
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
@@ -142,7 +143,9 @@ def main() -> None:
             dataset_dir=data_dir,
             cache_dir=run_dir / "cache",
             resume=False,
-            on_metrics=lambda m, losses=losses: "loss" in m and losses.append(m["loss"]),
+            reporter=CallbackReporter(
+                metrics=lambda m, losses=losses: "loss" in m and losses.append(m["loss"])
+            ),
         )
         emit(event="trained", data=name, steps=result.step, status=result.status,
              seconds=round(time.monotonic() - start, 1), first_loss=round(losses[0], 4),

@@ -230,9 +230,10 @@ def _smollm2_ours(args: argparse.Namespace, device: torch.device) -> tuple[Any, 
 def _toy_ours(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
     from peagle_core.data import prepare_dataset
     from peagle_core.data.packing import pack_bins
-    from peagle_core.hidden_states.build import build_cache
+    from peagle_core.hidden_states.backends import make_source
+    from peagle_core.hidden_states.build import ComputeBackend, build_cache
     from peagle_core.hidden_states.cache import CacheFingerprint
-    from peagle_core.hidden_states.loader import BatchLoader, VerifierCompute, make_source
+    from peagle_core.hidden_states.loader import BatchLoader, VerifierCompute
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.spec import parse_spec
     from peagle_core.toy import build_toy_verifier, write_toy_dataset
@@ -246,7 +247,11 @@ def _toy_ours(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any,
     verifier = Verifier.load(str(verifier_dir), device="cpu")
     fingerprint = CacheFingerprint.of(verifier, dataset)
     build_cache(
-        work / "cache", dataset, VerifierCompute(dataset, lambda: verifier), fingerprint, dtype="bf16"
+        work / "cache",
+        dataset,
+        ComputeBackend(VerifierCompute(dataset, lambda: verifier)),
+        fingerprint,
+        dtype="bf16",
     )
     source = make_source("offline", dataset, verifier_factory=lambda: verifier, cache_dir=work / "cache",
                          fingerprint=fingerprint)  # fmt: skip

@@ -1,6 +1,6 @@
 """What a running job reports, shared by the single-process runner and the torchrun ranks.
 
-The job's spec as submitted, the pipeline's events as job_events rows, the `{code, message}` of a failure,
+The job's spec as submitted, the pipeline's events and metrics through a `JobReporter` (events as job_events rows), the `{code, message}` of a failure,
 and the one logging format of worker processes (metrics become JSON in `service.db.jsondata`).
 """
 
@@ -14,13 +14,13 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from peagle_core.errors import PeagleError
+from peagle_core.events import Event
 from peagle_core.keys import STAGES
 from peagle_core.spec import JobSpec
 from service.crud.events import add_event
 from service.crud.jobs import hold
 from service.redact import redact_paths
-
-OnEvent = Callable[[str, str, dict[str, Any] | None], None]
+from worker.progress import ProgressWriter
 
 
 def setup_logging() -> None:
@@ -74,27 +74,27 @@ def write_event(
     return True
 
 
-def event_recorder(
-    add: Callable[..., None],
-    *,
-    on_stage: Callable[[str], None] | None = None,
-) -> OnEvent:
-    """The trainer's `on_event` callback, handing each event to `add(type, message, data, level=)` (the progress
-    writer's queue, so a slow or absent database never stalls training).
+class JobReporter:
+    """The pipeline's and the trainer's `Reporter` in a worker: everything goes to the progress writer's
+    queue (`worker.progress.ProgressWriter`), so a slow or absent database never stalls training.
 
-    A stage transition becomes `type="stage"` with `data.stage` (and is passed to `on_stage`, e.g. the
-    progress writer); any other kind becomes `type="log"` with `data.kind` (e.g. "epoch", whose data
-    carries the hidden-state counters).
+    A stage transition becomes a `type="stage"` row with `data.stage` (and is passed to `on_stage`, e.g. the
+    progress writer's `set_stage`); any other kind becomes `type="log"` with `data.kind` (e.g. "epoch", whose
+    data carries the hidden-state counters).
     """
 
-    def on_event(kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        data = dict(data or {})
-        level = data.pop("level", "info")  # the trainer flags warnings in the event's data
-        if kind in STAGES:
-            if on_stage is not None:
-                on_stage(kind)
-            add("stage", message, {"stage": kind, **data}, level=level)
-        else:
-            add("log", message, {"kind": kind, **data}, level=level)
+    def __init__(self, progress: ProgressWriter, *, on_stage: Callable[[str], None] | None = None):
+        self.progress = progress
+        self.on_stage = on_stage
 
-    return on_event
+    def on_event(self, event: Event) -> None:
+        if event.kind in STAGES:
+            if self.on_stage is not None:
+                self.on_stage(event.kind)
+            type_, data = "stage", {"stage": event.kind, **event.data}
+        else:
+            type_, data = "log", {"kind": event.kind, **event.data}
+        self.progress.add_event(type_, event.message, data, level=event.level)
+
+    def on_metrics(self, metrics: dict[str, Any]) -> None:
+        self.progress.on_metrics(metrics)

@@ -40,7 +40,7 @@ from peagle_core.processes import stop_process
 from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
 from worker.attempt import AttemptContext
-from worker.job_io import error_for, event_recorder, setup_logging, write_event
+from worker.job_io import JobReporter, error_for, setup_logging, write_event
 from worker.monitor import PREEMPT_SIGNAL
 from worker.rendezvous import Rendezvous
 
@@ -348,15 +348,14 @@ def _rank_main(argv: list[str] | None = None) -> int:
     _announce(Path(args.pid_dir), rank)
     # Only rank 0 reports: one set of metric rows, progress and events per job.
     progress = ProgressWriter(ctx).start() if rank == 0 else None
-    on_event = event_recorder(progress.add_event, on_stage=progress.set_stage) if progress else None
+    reporter = JobReporter(progress, on_stage=progress.set_stage) if progress else None
 
     try:
         result = train(
             spec,
             Path(args.out_dir),
-            on_metrics=progress.on_metrics if progress else None,
+            reporter=reporter,
             should_stop=monitor.should_stop,
-            on_event=on_event,
             resume=True,
             dataset_dir=Path(args.dataset_dir),
             cache_dir=Path(args.cache_dir) if args.cache_dir else None,

@@ -40,7 +40,7 @@ from service.queue import redis_from_url
 from service.settings import Settings
 from worker.attempt import AttemptContext
 from worker.gang import GangLeader, NodeLost
-from worker.job_io import error_for, event_recorder, submitted_spec
+from worker.job_io import JobReporter, error_for, submitted_spec
 from worker.mirror import CheckpointMirror, restore
 from worker.monitor import JobMonitor
 from worker.multigpu import RankLaunch, rank_device, train_distributed
@@ -293,8 +293,7 @@ class JobRunner:
             progress.set_stage(stage)
 
         callbacks = Callbacks(
-            on_event=event_recorder(progress.add_event, on_stage=on_stage),
-            on_metrics=progress.on_metrics,
+            reporter=JobReporter(progress, on_stage=on_stage),
             on_progress=lambda fields: progress.set_fields(**fields),
             should_stop=monitor.should_stop,
             should_stop_now=monitor.should_stop_now,

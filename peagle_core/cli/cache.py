@@ -53,7 +53,7 @@ def build(
 ) -> None:
     """Run the verifier over every sample of PREPARED and store its hidden states in OUT."""
     from peagle_core.data.prepare import PreparedDataset
-    from peagle_core.hidden_states.build import build_cache
+    from peagle_core.hidden_states.build import ComputeBackend, build_cache
     from peagle_core.hidden_states.cache import CacheFingerprint
     from peagle_core.hidden_states.codec import DTYPES
     from peagle_core.hidden_states.loader import VerifierCompute
@@ -76,7 +76,7 @@ def build(
     report = build_cache(
         out,
         dataset,
-        VerifierCompute(dataset, lambda: v, pad_token_id=pad),
+        ComputeBackend(VerifierCompute(dataset, lambda: v, pad_token_id=pad)),
         CacheFingerprint.of(v, dataset),
         dtype=dtype,
         batch_size=batch_size,

@@ -24,6 +24,7 @@ def train_command(
     reusable stage outputs (regenerated and prepared data, hidden-state cache) under OUT by stage key."""
     from tqdm import tqdm
 
+    from peagle_core.events import LOG, CallbackReporter, Event
     from peagle_core.pipeline.stages import Callbacks, run_pipeline
     from peagle_core.spec import load_spec
 
@@ -44,12 +45,12 @@ def train_command(
         bar.set_postfix(loss=f"{m['loss']:.4f}", acc0=f"{m.get('acc_0', 0):.3f}", lr=f"{m['lr']:.2e}",
                         tok_s=f"{m['tokens_per_s']:.0f}")  # fmt: skip
 
-    def on_event(kind: str, message: str, data: dict[str, Any]) -> None:
-        label = data.get("kind", kind) if kind == "log" else kind
-        (tqdm.write if bar is not None else typer.echo)(f"[{label}] {message}")
+    def on_event(event: Event) -> None:
+        label = event.data.get("kind", event.kind) if event.kind == LOG else event.kind
+        (tqdm.write if bar is not None else typer.echo)(f"[{label}] {event.message}")
 
     try:
-        callbacks = Callbacks(on_event=on_event, on_metrics=on_metrics)
+        callbacks = Callbacks(reporter=CallbackReporter(events=on_event, metrics=on_metrics))
         result = run_pipeline(spec, out_dir, callbacks=callbacks, resume=not no_resume)
     finally:
         if bar is not None:

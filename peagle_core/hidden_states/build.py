@@ -1,11 +1,12 @@
-"""Building a hidden-state cache from a dataset (resumable, a shard at a time) and verifying one shard by
-shard against its manifest and the dataset's token ids."""
+"""Building a hidden-state cache from a dataset with a `HiddenStateBackend` (resumable, a shard at a time)
+and verifying one shard by shard against its manifest and the dataset's token ids."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,10 +34,55 @@ class BuildReport:
     total_bytes: int
 
 
+class HiddenStateBackend(Protocol):
+    """Who computes a cache's hidden states: `name` is what its manifest records (a job's
+    `hidden_states.engine`: transformers or vllm); `fill` computes the samples `todo` into `cache`, committing
+    a shard per about `shard_bytes`, and returns how many shards it wrote."""
+
+    name: str
+
+    def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
+             shard_bytes: int, progress: bool) -> int: ...  # fmt: skip
+
+
+@dataclass
+class ComputeBackend:
+    """A `HiddenStateBackend` from a `ComputeFn` (the in-process verifier's `VerifierCompute`, or any function
+    of sample indices): `compute(indices)` on batches of `batch_size`, buffered into shards in this process."""
+
+    compute: ComputeFn
+    name: str = "transformers"
+
+    def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
+             shard_bytes: int, progress: bool) -> int:  # fmt: skip
+        from tqdm import tqdm
+
+        dtype, shards = cache.dtype, 0
+        buffer: list[tuple[int, HiddenRecord, torch.Tensor]] = []
+        buffered = 0
+        with tqdm(total=len(todo), disable=not progress, unit="sample", desc="hidden states") as bar:
+            for start in range(0, len(todo), batch_size):
+                group = todo[start : start + batch_size]
+                records = self.compute(group)
+                if len(records) != len(group):
+                    raise CacheError(f"compute returned {len(records)} records for {len(group)} samples")
+                for i, rec in zip(group, records, strict=True):
+                    ids = dataset[i][0]
+                    buffer.append((i, rec, ids))
+                    buffered += rec.num_tokens * bytes_per_token(dtype, rec.aux.shape[1], rec.last.shape[1])
+                if buffered >= shard_bytes:
+                    shards += cache.write_shard(buffer) is not None
+                    buffer, buffered = [], 0
+                bar.update(len(group))
+            if buffer:
+                shards += cache.write_shard(buffer) is not None
+        return shards
+
+
 def build_cache(
     cache_dir: str | Path,
     dataset: TokenDataset,
-    compute: ComputeFn,
+    backend: HiddenStateBackend,
     fingerprint: CacheFingerprint,
     *,
     dtype: str = "bf16",
@@ -45,41 +91,29 @@ def build_cache(
     dataset_dir: str | None = None,
     progress: bool = False,
 ) -> BuildReport:
-    """Fill the cache with every sample of `dataset`, computing missing ones with `compute(indices)`.
+    """Fill the cache with every sample of `dataset`, computing missing ones with `backend`
+    (`ComputeBackend(compute)` in this process, `peagle_core.hidden_states.backends.VllmBackend` through
+    vLLM; `backends.open_backend` picks one by name).
 
     Resumable: cached samples are skipped and a shard is committed (file renamed, then manifest
-    replaced) once about `shard_bytes` are buffered, so an interrupted build loses at most one shard's
+    replaced) once about `shard_bytes` are computed, so an interrupted build loses at most one shard's
     work and a second run of a finished build computes nothing.
     """
-    from tqdm import tqdm
-
     if batch_size < 1:
         raise CacheError("batch_size must be >= 1", param="batch_size")
     cache = HiddenStateCache.create(
-        cache_dir, fingerprint, dtype=dtype, num_dataset_samples=len(dataset), dataset_dir=dataset_dir
+        cache_dir,
+        fingerprint,
+        dtype=dtype,
+        num_dataset_samples=len(dataset),
+        dataset_dir=dataset_dir,
+        backend=backend.name,
     )
     todo = [i for i in range(len(dataset)) if i not in cache]
-    skipped = len(dataset) - len(todo)
-    shards = 0
-    buffer: list[tuple[int, HiddenRecord, torch.Tensor]] = []
-    buffered = 0
-    with tqdm(total=len(todo), disable=not progress, unit="sample", desc="hidden states") as bar:
-        for start in range(0, len(todo), batch_size):
-            group = todo[start : start + batch_size]
-            records = compute(group)
-            if len(records) != len(group):
-                raise CacheError(f"compute returned {len(records)} records for {len(group)} samples")
-            for i, rec in zip(group, records, strict=True):
-                ids = dataset[i][0]
-                buffer.append((i, rec, ids))
-                buffered += rec.num_tokens * bytes_per_token(dtype, rec.aux.shape[1], rec.last.shape[1])
-            if buffered >= shard_bytes:
-                shards += cache.write_shard(buffer) is not None
-                buffer, buffered = [], 0
-            bar.update(len(group))
-        if buffer:
-            shards += cache.write_shard(buffer) is not None
-    return BuildReport(len(todo), skipped, shards, len(cache), cache.total_bytes)
+    shards = backend.fill(
+        cache, dataset, todo, batch_size=batch_size, shard_bytes=shard_bytes, progress=progress
+    )
+    return BuildReport(len(todo), len(dataset) - len(todo), shards, len(cache), cache.total_bytes)
 
 
 def verify_cache(cache_dir: str | Path, dataset: TokenDataset | None = None) -> list[str]:

@@ -177,12 +177,13 @@ class HiddenStateCache:
         dtype: str = "bf16",
         num_dataset_samples: int | None = None,
         dataset_dir: str | None = None,
-        engine: str = "transformers",
+        backend: str = "transformers",
     ) -> HiddenStateCache:
         """Open the cache at `path` for writing, creating it if absent.
 
         An existing cache must match `fingerprint` and `dtype` exactly; it is resumed, never overwritten.
-        `engine` records who computes its states (a new cache only), so later misses use the same one.
+        `backend` records who computes its states (a new cache only; the manifest's `engine`), so later misses
+        use the same one.
         """
         if dtype not in DTYPES:
             raise CacheError(f"unknown cache dtype {dtype!r}; use one of {', '.join(DTYPES)}", param="dtype")
@@ -206,7 +207,7 @@ class HiddenStateCache:
                 "last_dim": None,
                 "num_dataset_samples": num_dataset_samples,
                 "dataset_dir": dataset_dir,
-                "engine": engine,
+                "engine": backend,
                 "shards": {},
             }
             atomic_write_json(path / MANIFEST, manifest)
@@ -243,8 +244,9 @@ class HiddenStateCache:
         return self._manifest["dtype"]
 
     @property
-    def engine(self) -> str:
-        """The hidden-state engine that built this cache (caches older than the field: transformers)."""
+    def backend(self) -> str:
+        """The hidden-state backend that built this cache (the manifest's `engine`; caches older than the
+        field: transformers)."""
         return self._manifest.get("engine", "transformers")
 
     @property

@@ -1,7 +1,8 @@
 """Hidden-state sources (offline cache, online verifier, hybrid of both) and the prefetching BatchLoader.
 
 All three sources answer `fetch(indices) -> list[HiddenRecord]` (fp32, CPU, unaligned); the trainer
-picks one with `make_source(spec.hidden_states.mode, ...)` and never cares which.
+picks one with `peagle_core.hidden_states.backends.make_source(spec.hidden_states.mode, ...)` and never
+cares which.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = [
     "OfflineSource",
     "OnlineSource",
     "VerifierCompute",
-    "make_source",
 ]
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class OnlineSource(HiddenStateSource):
 class HybridSource(HiddenStateSource):
     """Cache hits are read; misses (and samples of a corrupt shard) are computed online and written back.
 
-    Misses are computed by the verifier, or by `compute` (with `engine` naming it in a new cache's manifest).
+    Misses are computed by the verifier, or by `compute` (with `backend` naming it in a new cache's manifest).
 
     Computed samples are buffered and committed as one shard once `shard_bytes` are pending (and on
     flush/close), so the cache does not fill with tiny shards. Past `max_cache_bytes` new samples are
@@ -183,7 +183,7 @@ class HybridSource(HiddenStateSource):
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         pad_token_id: int = 0,
         compute: ComputeFn | None = None,
-        engine: str = "transformers",
+        backend: str = "transformers",
     ):
         self.dataset = dataset
         if compute is not None and fingerprint is None:
@@ -199,7 +199,7 @@ class HybridSource(HiddenStateSource):
             dtype=dtype,
             num_dataset_samples=len(dataset),
             dataset_dir=str(Path(where).resolve()) if where is not None else None,
-            engine=engine,
+            backend=backend,
         )
         self.max_cache_bytes = max_cache_bytes
         self.shard_bytes = shard_bytes
@@ -300,56 +300,6 @@ class HybridSource(HiddenStateSource):
             "uncached_samples": self.uncached_samples,
             "cache_bytes": self.cache.total_bytes,
         }
-
-
-def make_source(
-    mode: str,
-    dataset: TokenDataset,
-    *,
-    verifier_factory: VerifierFactory,
-    cache_dir: str | Path | None = None,
-    dtype: str = "bf16",
-    max_cache_bytes: int | None = None,
-    fingerprint: CacheFingerprint | None = None,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    pad_token_id: int = 0,
-    compute: ComputeFn | None = None,
-    engine: str = "transformers",
-) -> HiddenStateSource:
-    """The source for `mode` (`JobSpec.hidden_states.mode`).
-
-    `compute` replaces the in-process verifier for online passes and hybrid misses (`engine` names it;
-    `peagle_core.hidden_states.engines.make_engine_source` picks both from the spec and the cache).
-
-    `fingerprint` (verifier, layer ids, dataset) is what an existing cache is checked against. Offline
-    mode never loads the verifier: without a fingerprint it checks the dataset only. Hybrid mode loads
-    the verifier to compute the fingerprint when none is given.
-    """
-    if mode == "online":
-        return OnlineSource(dataset, verifier_factory, pad_token_id, compute=compute)
-    if cache_dir is None:
-        raise CacheError(
-            f"hidden_states.mode={mode!r} needs a cache directory", param="hidden_states.cache_uri"
-        )
-    if mode == "offline":
-        cache = HiddenStateCache.open(cache_dir, fingerprint, dataset_fingerprint=dataset.fingerprint)
-        return OfflineSource(dataset, cache)
-    if mode == "hybrid":
-        return HybridSource(
-            dataset,
-            cache_dir,
-            verifier_factory,
-            fingerprint=fingerprint,
-            dtype=dtype,
-            max_cache_bytes=max_cache_bytes,
-            shard_bytes=shard_bytes,
-            pad_token_id=pad_token_id,
-            compute=compute,
-            engine=engine,
-        )
-    raise CacheError(
-        f"unknown hidden_states.mode {mode!r}; use online, offline or hybrid", param="hidden_states.mode"
-    )
 
 
 _END = object()

@@ -23,7 +23,6 @@ from peagle_core.errors import PeagleError
 from peagle_core.model import precision
 from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
 
-ENGINES = ("transformers", "vllm")
 CONNECTOR = "PeagleHiddenStatesConnector"
 CONNECTOR_MODULE = "peagle_core.hidden_states.vllm_connector"
 # Steps after `generate` returns: the connector stores a request one step after it finishes.

@@ -14,7 +14,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,6 +22,7 @@ from peagle_core import keys as stage_keys
 from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES
 from peagle_core.data.source import InputFile
 from peagle_core.errors import DataError
+from peagle_core.events import CallbackReporter, Event, Level, Reporter
 from peagle_core.io import atomic_dir
 from peagle_core.keys import HIDDEN_STATES, PREPARE, REGENERATE
 from peagle_core.spec import JobSpec
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EventFn = Callable[[str, str, dict[str, Any]], None]
-MetricsFn = Callable[[dict[str, Any]], None]
 REGENERATED = "data.jsonl"
 
 
@@ -74,11 +73,9 @@ class LocalStore:
 
 @dataclass
 class Callbacks:
-    """What the caller hears and how it stops the run. `on_event(kind, message, data)`: a `kind` in
-    `stage_keys.STAGES` enters that stage; "log" (with `data["kind"]`) and others are log lines."""
+    """What the caller hears (`reporter`: the run's events and metrics) and how it stops the run."""
 
-    on_event: EventFn | None = None
-    on_metrics: MetricsFn | None = None
+    reporter: Reporter = field(default_factory=CallbackReporter)
     on_progress: Callable[[dict[str, Any]], None] | None = None  # a stage's own counters (`regenerate`)
     should_stop: Callable[[], bool] | None = None  # polled every training step
     should_stop_now: Callable[[], bool] | None = None  # before each regeneration batch (default should_stop)
@@ -90,12 +87,11 @@ class Callbacks:
         if self.on_stored is not None:
             self.on_stored(kind, key, local)
 
-    def event(self, kind: str, message: str, /, **data: Any) -> None:
-        if self.on_event is not None:
-            self.on_event(kind, message, data)
+    def event(self, kind: str, message: str, /, *, level: Level = "info", **data: Any) -> None:
+        self.reporter.on_event(Event(kind, message, data, level))
 
-    def log(self, kind: str, message: str, /, **data: Any) -> None:
-        self.event("log", message, kind=kind, **data)
+    def log(self, kind: str, message: str, /, *, level: Level = "info", **data: Any) -> None:
+        self.reporter.on_event(Event.log(kind, message, level=level, **data))
 
 
 # (spec, work_dir, dataset_dir, cache_dir, callbacks, resume) -> result: where the training stage runs.
@@ -120,8 +116,7 @@ def train_here(
         work_dir,
         dataset_dir=dataset_dir,
         cache_dir=cache_dir,
-        on_metrics=cb.on_metrics,
-        on_event=cb.on_event,
+        reporter=cb.reporter,
         should_stop=cb.should_stop,
         resume=resume,
     )

@@ -17,13 +17,9 @@ from peagle_core.data import PreparedDataset
 from peagle_core.data.packing import pack_bins
 from peagle_core.errors import DataError
 from peagle_core.evaluation.acceptance import held_out_prompts, prompt_of
+from peagle_core.hidden_states.backends import cache_backend, make_source, open_backend, vllm_config_for
+from peagle_core.hidden_states.build import build_cache
 from peagle_core.hidden_states.cache import MANIFEST, CacheFingerprint, HiddenStateCache
-from peagle_core.hidden_states.engines import (
-    build_hidden_state_cache,
-    cache_engine,
-    make_engine_source,
-    vllm_config_for,
-)
 from peagle_core.hidden_states.loader import HiddenStateSource
 from peagle_core.hidden_states.verifier import Verifier
 from peagle_core.hidden_states.vllm_extract import VllmHiddenStates
@@ -66,15 +62,16 @@ def build_source(
             cache_root, fingerprint
         ).is_complete()
         if not complete:
-            build_hidden_state_cache(
-                cache_engine(cache_root, hs.engine), cache_root, dataset, fingerprint, dtype=hs.dtype,
+            with open_backend(
+                cache_backend(cache_root, hs.engine), dataset,
                 verifier_factory=lambda: verifier, vllm_factory=vllm, pad_token_id=pad,
-            )  # fmt: skip
+            ) as backend:  # fmt: skip
+                build_cache(cache_root, dataset, backend, fingerprint, dtype=hs.dtype)
     dist_utils.barrier(info)
-    return make_engine_source(
+    return make_source(
         hs.mode,
-        hs.engine,
         dataset,
+        backend=hs.engine,
         fingerprint=fingerprint,
         verifier_factory=lambda: verifier,
         vllm_factory=vllm,

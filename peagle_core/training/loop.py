@@ -26,6 +26,7 @@ from peagle_core.data.packing import StepShard, step_shards
 from peagle_core.errors import DataError, TrainingDiverged
 from peagle_core.evaluation.acceptance import EvalResult, evaluate
 from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, KResult
+from peagle_core.events import CallbackReporter, Event, Level, Reporter
 from peagle_core.hidden_states.loader import BatchLoader, HiddenStateSource
 from peagle_core.hidden_states.verifier import Verifier
 from peagle_core.io import atomic_write_json
@@ -69,29 +70,26 @@ from peagle_core.training.resume import (
 )
 from peagle_core.training.schedule import build_scheduler
 
-MetricsFn = Callable[[dict[str, Any]], None]
-EventFn = Callable[[str, str, dict[str, Any]], None]
 ConsumedFn = Callable[[int, list[int]], None]
 
 
 @dataclass
 class Hooks:
-    """The caller's callbacks: only rank 0 reports metrics and events; a stop request stops every rank;
-    `on_consumed(epoch, sample_ids)` hears, on every rank, the dataset samples each step trained that rank on."""
+    """The caller's callbacks: only rank 0 tells `reporter` its events and metrics; a stop request stops every
+    rank; `on_consumed(epoch, sample_ids)` hears, on every rank, the dataset samples each step trained that rank on."""
 
     info: dist_utils.DistInfo
-    on_metrics: MetricsFn | None = None
-    on_event: EventFn | None = None
+    reporter: Reporter = field(default_factory=CallbackReporter)
     should_stop: Callable[[], bool] | None = None
     on_consumed: ConsumedFn | None = None
 
-    def event(self, kind: str, message: str, **data: Any) -> None:
-        if self.on_event is not None and self.info.is_main:
-            self.on_event(kind, message, data)
+    def event(self, kind: str, message: str, /, *, level: Level = "info", **data: Any) -> None:
+        if self.info.is_main:
+            self.reporter.on_event(Event(kind, message, data, level))
 
     def report(self, metrics: dict[str, Any]) -> None:
-        if self.on_metrics is not None and self.info.is_main:
-            self.on_metrics(metrics)
+        if self.info.is_main:
+            self.reporter.on_metrics(metrics)
 
     def consumed(self, epoch: int, sample_ids: list[int]) -> None:
         if self.on_consumed is not None:
@@ -171,21 +169,18 @@ def train(
     spec: JobSpec,
     out_dir: str | Path,
     *,
-    on_metrics: MetricsFn | None = None,
+    reporter: Reporter | None = None,
     should_stop: Callable[[], bool] | None = None,
     resume: bool = True,
     dataset_dir: str | Path,
     cache_dir: str | Path | None = None,
-    on_event: EventFn | None = None,
     on_consumed: ConsumedFn | None = None,
 ) -> PipelineResult:
     """The training stage: train a drafter as `spec` says on the prepared dataset at `dataset_dir`, writing
-    checkpoints and the final export under `out_dir`. `peagle_core.pipeline.stages.run_pipeline` runs the whole job
-    (regeneration and data preparation first)."""
+    checkpoints and the final export under `out_dir`; rank 0 tells `reporter` its events and metrics.
+    `peagle_core.pipeline.stages.run_pipeline` runs the whole job (regeneration and data preparation first)."""
     info = dist_utils.init_distributed()
-    hooks = Hooks(
-        info, on_metrics=on_metrics, on_event=on_event, should_stop=should_stop, on_consumed=on_consumed
-    )
+    hooks = Hooks(info, reporter or CallbackReporter(), should_stop=should_stop, on_consumed=on_consumed)
     run = None
     try:
         run, progress = setup(

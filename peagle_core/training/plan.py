@@ -136,8 +136,8 @@ def _vllm_hidden_state_rate(spec: JobSpec, dataset: Any, work: Path) -> tuple[fl
     import torch
     from transformers import AutoConfig
 
+    from peagle_core.hidden_states.backends import vllm_config_for
     from peagle_core.hidden_states.cache import CacheFingerprint, HiddenStateCache
-    from peagle_core.hidden_states.engines import vllm_config_for
     from peagle_core.hidden_states.vllm_extract import VllmHiddenStates
     from peagle_core.model.config import default_layer_ids
 
@@ -207,6 +207,7 @@ def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any
     from our speculative decoding of a few held-out prompts at the job's own length."""
     from peagle_core.data import PreparedDataset
     from peagle_core.evaluation.acceptance import evaluate, held_out_prompts
+    from peagle_core.events import CallbackReporter, Event
     from peagle_core.training.loop import train
 
     calib = spec.model_copy(deep=True)
@@ -224,8 +225,8 @@ def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any
     stamps: list[tuple[float, float]] = []
     marks: dict[str, float] = {}
 
-    def on_event(kind: str, _message: str, _data: dict[str, Any] | None = None) -> None:
-        if kind == "eval":
+    def on_event(event: Event) -> None:
+        if event.kind == "eval":
             marks.setdefault("eval", time.perf_counter())
         elif "eval" in marks:
             marks.setdefault("eval_end", time.perf_counter())
@@ -236,7 +237,7 @@ def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any
 
     t0 = time.perf_counter()
     result = train(calib, work_dir / "calibration", resume=False, dataset_dir=dataset_dir,
-                   cache_dir=work_dir / "cache", on_metrics=on_metrics, on_event=on_event)  # fmt: skip
+                   cache_dir=work_dir / "cache", reporter=CallbackReporter(events=on_event, metrics=on_metrics))  # fmt: skip
     vllm_eval_s = marks.get("eval_end", time.perf_counter()) - marks["eval"] if "eval" in marks else 0.0
     times = [t for t, _ in stamps]
     step_s = (times[-1] - times[0]) / max(1, len(times) - 1) if len(times) > 1 else times[0] - t0

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from peagle_core.data.prepare import PreparedDataset
-from peagle_core.hidden_states.build import build_cache, verify_cache
+from peagle_core.hidden_states.backends import VllmBackend, make_source, plan_groups
+from peagle_core.hidden_states.build import ComputeBackend, build_cache, verify_cache
 from peagle_core.hidden_states.cache import CacheFingerprint, HiddenStateCache
-from peagle_core.hidden_states.engines import build_cache_vllm, make_engine_source, plan_groups
 from peagle_core.hidden_states.loader import BatchLoader, VerifierCompute
 from peagle_core.hidden_states.vllm_extract import (
     HiddenStatesEngineError,
@@ -69,14 +69,14 @@ def engine(config: VllmHiddenStatesConfig):
 def hf_cache(tmp_path_factory, ds, toy_verifier, fp) -> Path:
     out = tmp_path_factory.mktemp("hs") / "transformers"
     compute = VerifierCompute(ds, lambda: toy_verifier)
-    build_cache(out, ds, compute, fp, dtype="fp32", shard_bytes=SHARD_BYTES)
+    build_cache(out, ds, ComputeBackend(compute), fp, dtype="fp32", shard_bytes=SHARD_BYTES)
     return out
 
 
 @pytest.fixture(scope="module")
 def vllm_cache(tmp_path_factory, ds, engine, fp) -> Path:
     out = tmp_path_factory.mktemp("hs") / "vllm"
-    report = build_cache_vllm(out, ds, fp, engine, dtype="fp32", shard_bytes=SHARD_BYTES)
+    report = build_cache(out, ds, VllmBackend(engine), fp, dtype="fp32", shard_bytes=SHARD_BYTES)
     assert report.computed == len(ds) and report.shards_written >= 3
     return out
 
@@ -89,7 +89,7 @@ def _assert_same_states(a, b) -> None:
 def test_vllm_cache_equals_the_transformers_cache(ds, fp, hf_cache: Path, vllm_cache: Path) -> None:
     assert verify_cache(vllm_cache, ds) == []
     ours, ref = HiddenStateCache.open(vllm_cache, fp), HiddenStateCache.open(hf_cache, fp)
-    assert ours.engine == "vllm" and ref.engine == "transformers"
+    assert ours.backend == "vllm" and ref.backend == "transformers"
     assert ours.is_complete() and ours.manifest["aux_dim"] == 3 * ours.manifest["last_dim"]
     worst = {"aux": 0.0, "last": 0.0}
     for i in range(len(ds)):
@@ -103,6 +103,7 @@ def test_vllm_cache_equals_the_transformers_cache(ds, fp, hf_cache: Path, vllm_c
 def test_a_drafter_trains_the_same_from_either_engine(
     toy_verifier_dir, toy_dataset_path, prepared_dataset, hf_cache, vllm_cache, tmp_path
 ) -> None:
+    from peagle_core.events import CallbackReporter
     from peagle_core.training.loop import train
 
     curves = {}
@@ -112,7 +113,11 @@ def test_a_drafter_trains_the_same_from_either_engine(
         spec.evaluation.prompts = 0
         metrics: list[dict] = []
         result = train(
-            spec, tmp_path / name, dataset_dir=prepared_dataset, cache_dir=cache, on_metrics=metrics.append
+            spec,
+            tmp_path / name,
+            dataset_dir=prepared_dataset,
+            cache_dir=cache,
+            reporter=CallbackReporter(metrics=metrics.append),
         )
         assert result.status == "completed"
         curves[name] = torch.tensor([m["loss"] for m in metrics if "loss" in m])
@@ -125,13 +130,13 @@ def test_hybrid_misses_are_filled_by_the_engine_that_built_the_cache(
 ) -> None:
     cache_dir = tmp_path / "hybrid"
     half = list(range(0, len(ds), 2))
-    cache = HiddenStateCache.create(cache_dir, fp, dtype="fp32", num_dataset_samples=len(ds), engine="vllm")
+    cache = HiddenStateCache.create(cache_dir, fp, dtype="fp32", num_dataset_samples=len(ds), backend="vllm")
     engine.fill(cache_dir, [(i, ds[i][0].tolist()) for i in half])
     # The spec says transformers; the cache was built by vLLM, so vLLM fills its misses.
-    source = make_engine_source(
+    source = make_source(
         "hybrid",
-        "transformers",
         ds,
+        backend="transformers",
         fingerprint=fp,
         verifier_factory=_no_verifier,
         vllm_factory=lambda: engine,
@@ -157,10 +162,10 @@ def test_online_batches_stream_from_vllm_and_are_deleted_unless_kept(
     ds, fp, engine, hf_cache: Path, tmp_path: Path, keep: bool
 ) -> None:
     cache_dir = tmp_path / "online"
-    source = make_engine_source(
+    source = make_source(
         "online",
-        "vllm",
         ds,
+        backend="vllm",
         fingerprint=fp,
         verifier_factory=_no_verifier,
         vllm_factory=lambda: engine,
@@ -176,7 +181,7 @@ def test_online_batches_stream_from_vllm_and_are_deleted_unless_kept(
     assert (cache_dir / "manifest.json").is_file() == keep
     if keep:
         kept = HiddenStateCache.open(cache_dir, fp)
-        assert kept.indices() == list(range(16)) and kept.engine == "vllm"
+        assert kept.indices() == list(range(16)) and kept.backend == "vllm"
     ref = HiddenStateCache.open(hf_cache, fp)
     for i, rec in enumerate(source.fetch(list(range(4)))):
         _assert_same_states(rec, ref.read(i))
@@ -195,8 +200,13 @@ def test_killed_vllm_fails_the_build_and_a_rerun_resumes_from_its_shards(
 
     try:
         with pytest.raises(HiddenStatesEngineError) as err:
-            build_cache_vllm(
-                out, ds, fp, doomed, dtype="fp32", shard_bytes=SHARD_BYTES, on_group=kill_after_first
+            build_cache(
+                out,
+                ds,
+                VllmBackend(doomed, on_group=kill_after_first),
+                fp,
+                dtype="fp32",
+                shard_bytes=SHARD_BYTES,
             )
     finally:
         doomed.close()
@@ -206,7 +216,7 @@ def test_killed_vllm_fails_the_build_and_a_rerun_resumes_from_its_shards(
     assert len(partial.shards) == 1 and len(partial) == groups_done[0] < len(ds)
     assert verify_cache(out, ds) == []
 
-    report = build_cache_vllm(out, ds, fp, engine, dtype="fp32", shard_bytes=SHARD_BYTES)
+    report = build_cache(out, ds, VllmBackend(engine), fp, dtype="fp32", shard_bytes=SHARD_BYTES)
     assert report.skipped == groups_done[0] and report.computed == len(ds) - groups_done[0]
     resumed, whole = HiddenStateCache.open(out, fp), HiddenStateCache.open(vllm_cache, fp)
     # Same shard cut, same batches: the resumed cache is byte for byte the uninterrupted one.

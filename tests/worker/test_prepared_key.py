@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from peagle_core.events import CallbackReporter
 from peagle_core.pipeline.stages import Callbacks, Pipeline
 from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
@@ -27,7 +28,7 @@ def test_prepared_data_is_per_project_and_by_verifier_content(
             tmp_path / project,
             store=store.scoped(f"projects/{project}"),
             scratch=tmp_path / "scratch" / project,
-            callbacks=Callbacks(on_event=lambda kind, msg, data: logs.append(data)),
+            callbacks=Callbacks(reporter=CallbackReporter(events=lambda e: logs.append(e.data))),
         )
         dataset = stages.data()
         assert dataset is not None

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from peagle_core.hidden_states.build import build_cache, verify_cache
+from peagle_core.hidden_states.build import ComputeBackend, build_cache, verify_cache
 from peagle_core.hidden_states.cache import (
     CacheCorruptError,
     CacheFingerprint,
@@ -78,7 +78,9 @@ def _tensors(cache_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
 def test_round_trip(tmp_path: Path, dtype: str) -> None:
     ds = SyntheticTokens()
     compute = synthetic_compute(ds)
-    report = build_cache(tmp_path / "c", ds, compute, FP, dtype=dtype, batch_size=4, shard_bytes=20_000)
+    report = build_cache(
+        tmp_path / "c", ds, ComputeBackend(compute), FP, dtype=dtype, batch_size=4, shard_bytes=20_000
+    )
     assert report.computed == len(ds) and report.shards_written > 1
     cache = HiddenStateCache.open(tmp_path / "c", FP)
     assert cache.is_complete() and len(cache) == len(ds)
@@ -102,7 +104,9 @@ def test_fp8_halves_bf16_bytes(tmp_path: Path) -> None:
     ds = SyntheticTokens()
     sizes, payload = {}, {}
     for dtype in ("bf16", "fp8"):
-        build_cache(tmp_path / dtype, ds, synthetic_compute(ds), FP, dtype=dtype, batch_size=8)
+        build_cache(
+            tmp_path / dtype, ds, ComputeBackend(synthetic_compute(ds)), FP, dtype=dtype, batch_size=8
+        )
         sizes[dtype] = HiddenStateCache.open(tmp_path / dtype).total_bytes
         t = _tensors(tmp_path / dtype)
         payload[dtype] = sum(s[k].nbytes for s in t.values() for k in ("aux", "last"))
@@ -124,7 +128,7 @@ def test_zero_rows_survive_fp8() -> None:
 
 def test_fingerprint_mismatch_names_what_differs(tmp_path: Path) -> None:
     ds = SyntheticTokens(8)
-    build_cache(tmp_path / "c", ds, synthetic_compute(ds), FP)
+    build_cache(tmp_path / "c", ds, ComputeBackend(synthetic_compute(ds)), FP)
     cases = {
         "another verifier": CacheFingerprint("verifier-b", FP.layer_ids, FP.dataset),
         "other layer ids": CacheFingerprint(FP.verifier, (0, 2, 3), FP.dataset),
@@ -134,15 +138,15 @@ def test_fingerprint_mismatch_names_what_differs(tmp_path: Path) -> None:
         with pytest.raises(CacheMismatchError, match=reason):
             HiddenStateCache.open(tmp_path / "c", fp)
         with pytest.raises(CacheMismatchError, match=reason):
-            build_cache(tmp_path / "c", ds, synthetic_compute(ds), fp)
+            build_cache(tmp_path / "c", ds, ComputeBackend(synthetic_compute(ds)), fp)
     with pytest.raises(CacheMismatchError, match="stores bf16, not fp8"):
-        build_cache(tmp_path / "c", ds, synthetic_compute(ds), FP, dtype="fp8")
+        build_cache(tmp_path / "c", ds, ComputeBackend(synthetic_compute(ds)), FP, dtype="fp8")
     HiddenStateCache.open(tmp_path / "c", FP)  # the right fingerprint still opens it
 
 
 def test_missing_and_corrupt_samples_are_named(tmp_path: Path) -> None:
     ds = SyntheticTokens(12)
-    build_cache(tmp_path / "c", ds, synthetic_compute(ds), FP, batch_size=4, shard_bytes=1)
+    build_cache(tmp_path / "c", ds, ComputeBackend(synthetic_compute(ds)), FP, batch_size=4, shard_bytes=1)
     cache = HiddenStateCache.open(tmp_path / "c", FP)
     with pytest.raises(CacheMissError, match="sample 99"):
         cache.read(99)
@@ -159,7 +163,7 @@ def test_missing_and_corrupt_samples_are_named(tmp_path: Path) -> None:
 
 def test_verify_catches_token_id_mismatch(tmp_path: Path) -> None:
     ds = SyntheticTokens(6)
-    build_cache(tmp_path / "c", ds, synthetic_compute(ds), FP, shard_bytes=1)
+    build_cache(tmp_path / "c", ds, ComputeBackend(synthetic_compute(ds)), FP, shard_bytes=1)
     other = SyntheticTokens(6)
     other.ids[3] = other.ids[3].flip(0)
     problems = verify_cache(tmp_path / "c", other)
@@ -178,10 +182,10 @@ def test_second_build_computes_nothing(tmp_path: Path) -> None:
         calls.append(list(idx))
         return compute(idx)
 
-    build_cache(tmp_path / "c", ds, counting, FP, batch_size=3)
+    build_cache(tmp_path / "c", ds, ComputeBackend(counting), FP, batch_size=3)
     manifest = (tmp_path / "c" / "manifest.json").read_bytes()
     n = len(calls)
-    report = build_cache(tmp_path / "c", ds, counting, FP, batch_size=3)
+    report = build_cache(tmp_path / "c", ds, ComputeBackend(counting), FP, batch_size=3)
     assert len(calls) == n and report.computed == 0 and report.skipped == len(ds)
     assert (tmp_path / "c" / "manifest.json").read_bytes() == manifest
 
@@ -190,7 +194,7 @@ def test_build_interrupted_between_shards_resumes_to_identical_cache(tmp_path: P
     ds = SyntheticTokens(30)
     compute = synthetic_compute(ds)
     kw = {"dtype": "fp8", "batch_size": 4, "shard_bytes": 6_000}
-    build_cache(tmp_path / "oneshot", ds, compute, FP, **kw)
+    build_cache(tmp_path / "oneshot", ds, ComputeBackend(compute), FP, **kw)
 
     calls = 0
 
@@ -202,10 +206,10 @@ def test_build_interrupted_between_shards_resumes_to_identical_cache(tmp_path: P
         return compute(idx)
 
     with pytest.raises(RuntimeError, match="injected"):
-        build_cache(tmp_path / "resumed", ds, failing, FP, **kw)
+        build_cache(tmp_path / "resumed", ds, ComputeBackend(failing), FP, **kw)
     partial = HiddenStateCache.open(tmp_path / "resumed", FP)
     assert 0 < len(partial) < len(ds)
-    report = build_cache(tmp_path / "resumed", ds, compute, FP, **kw)
+    report = build_cache(tmp_path / "resumed", ds, ComputeBackend(compute), FP, **kw)
     assert report.skipped == len(partial)
     _assert_identical(tmp_path / "oneshot", tmp_path / "resumed")
 
@@ -217,7 +221,7 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_cache import FP, SyntheticTokens, synthetic_compute
     from peagle_core.hidden_states.cache import HiddenStateCache
-    from peagle_core.hidden_states.build import build_cache
+    from peagle_core.hidden_states.build import ComputeBackend, build_cache
 
     out, marker = Path(sys.argv[1]), Path(sys.argv[2])
     ds = SyntheticTokens(30)
@@ -230,7 +234,7 @@ _CHILD = textwrap.dedent(
             threading.Event().wait()
         return compute(idx)
 
-    build_cache(out, ds, compute_then_hang, FP, dtype="bf16", batch_size=4, shard_bytes=6_000)
+    build_cache(out, ds, ComputeBackend(compute_then_hang), FP, dtype="bf16", batch_size=4, shard_bytes=6_000)
     """
 )
 
@@ -238,7 +242,7 @@ _CHILD = textwrap.dedent(
 def test_build_killed_with_sigkill_resumes_to_identical_cache(tmp_path: Path) -> None:
     ds = SyntheticTokens(30)
     kw = {"dtype": "bf16", "batch_size": 4, "shard_bytes": 6_000}
-    build_cache(tmp_path / "oneshot", ds, synthetic_compute(ds), FP, **kw)
+    build_cache(tmp_path / "oneshot", ds, ComputeBackend(synthetic_compute(ds)), FP, **kw)
 
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(tests=str(Path(__file__).parent)))
@@ -259,7 +263,7 @@ def test_build_killed_with_sigkill_resumes_to_identical_cache(tmp_path: Path) ->
     assert 8 <= len(partial) < len(ds)
     # a temporary left by a writer killed mid-shard must not survive the resume
     (tmp_path / "killed" / ".shard-00009.safetensors.tmp-dead").write_bytes(b"half a shard")
-    build_cache(tmp_path / "killed", ds, synthetic_compute(ds), FP, **kw)
+    build_cache(tmp_path / "killed", ds, ComputeBackend(synthetic_compute(ds)), FP, **kw)
     assert not list((tmp_path / "killed").glob(".shard-*.tmp-*"))
     _assert_identical(tmp_path / "oneshot", tmp_path / "killed")
 

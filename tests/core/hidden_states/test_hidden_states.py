@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from peagle_core.cli import build_app
 from peagle_core.data.packing import pack_bins
 from peagle_core.data.prepare import PreparedDataset
-from peagle_core.hidden_states.build import build_cache, verify_cache
+from peagle_core.hidden_states.backends import make_source
+from peagle_core.hidden_states.build import ComputeBackend, build_cache, verify_cache
 from peagle_core.hidden_states.cache import (
     CacheCorruptError,
     CacheError,
@@ -31,7 +32,6 @@ from peagle_core.hidden_states.loader import (
     OfflineSource,
     OnlineSource,
     VerifierCompute,
-    make_source,
 )
 from peagle_core.hidden_states.verifier import Verifier
 
@@ -59,7 +59,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, ds, toy_verifier, fp, prepar
     build_cache(
         out,
         ds,
-        VerifierCompute(ds, lambda: toy_verifier),
+        ComputeBackend(VerifierCompute(ds, lambda: toy_verifier)),
         fp,
         batch_size=16,
         shard_bytes=200_000,

@@ -214,6 +214,7 @@ def test_peagle_train_regenerates_before_preparing(
     toy_verifier_dir: Path, chat_data: Path, tmp_path: Path
 ) -> None:
     from peagle_core.data import PreparedDataset
+    from peagle_core.events import CallbackReporter
     from peagle_core.io import sha256_file
     from peagle_core.keys import regenerate_key, verifier_fingerprint
     from peagle_core.pipeline.stages import Callbacks, Pipeline
@@ -236,7 +237,9 @@ def test_peagle_train_regenerates_before_preparing(
     def data_dir() -> Path:
         # `peagle train`'s data stages: a local store in the output directory.
         stages = Pipeline.of(
-            spec, tmp_path, callbacks=Callbacks(on_event=lambda k, m, d: events.append((k, d)))
+            spec,
+            tmp_path,
+            callbacks=Callbacks(reporter=CallbackReporter(events=lambda e: events.append((e.kind, e.data)))),
         )
         path = stages.data()
         assert path is not None

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peagle_core.events import CallbackReporter
 from peagle_core.model import precision
 from peagle_core.training.loop import train
 from tests.core.helpers import make_spec
@@ -22,8 +23,9 @@ def _run(tmp: Path, verifier: Path, data: Path, prepared: Path, mode: str) -> tu
         spec,
         tmp / mode,
         dataset_dir=prepared,
-        on_metrics=metrics.append,
-        on_event=lambda kind, msg, data: events.append({"kind": kind, **data}),
+        reporter=CallbackReporter(
+            events=lambda e: events.append({"kind": e.kind, **e.data}), metrics=metrics.append
+        ),
     )
     assert result.status == "completed"
     for name, p in result.model.named_parameters():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from peagle_core.data import PreparedDataset
+from peagle_core.events import CallbackReporter
 from peagle_core.training.builders import build_model, build_optimizer
 from peagle_core.training.loop import train
 from peagle_core.training.muon import MuonAdamW
@@ -67,7 +68,7 @@ def test_recipe_options_resume_to_the_uninterrupted_run_and_keep_the_frozen_head
 
     seen: list[dict] = []
     stopped = train(
-        spec, tmp_path / "run", dataset_dir=prepared_dataset, on_metrics=seen.append,
+        spec, tmp_path / "run", dataset_dir=prepared_dataset, reporter=CallbackReporter(metrics=seen.append),
         should_stop=lambda: len(seen) >= 2,
     )  # fmt: skip
     assert stopped.status == "stopped" and stopped.step == 2

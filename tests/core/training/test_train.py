@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from peagle_core.events import CallbackReporter
 from peagle_core.serving.export import validate_checkpoint
 from peagle_core.spec import JobSpec
 from peagle_core.training.loop import train
@@ -41,8 +42,7 @@ def test_full_run_reports_checkpoints_evaluates_and_exports(
         spec,
         tmp_path / "run",
         dataset_dir=prepared_dataset,
-        on_metrics=metrics.append,
-        on_event=lambda kind, msg, data: events.append(kind),
+        reporter=CallbackReporter(events=lambda e: events.append(e.kind), metrics=metrics.append),
     )
     assert result.status == "completed" and result.step == 4
 
@@ -91,7 +91,7 @@ def test_stop_then_resume_equals_an_uninterrupted_run(
         spec,
         tmp_path / "run",
         dataset_dir=prepared_dataset,
-        on_metrics=seen.append,
+        reporter=CallbackReporter(metrics=seen.append),
         should_stop=lambda: len(seen) >= 2,
     )
     assert stopped.status == "stopped" and stopped.step == 2 and stopped.export_dir is None
@@ -105,6 +105,7 @@ def test_stop_then_resume_equals_an_uninterrupted_run(
 _KILL_SCRIPT = """
 import sys, threading
 from peagle_core.spec import load_spec
+from peagle_core.events import CallbackReporter
 from peagle_core.training.loop import train
 from tests.core.helpers import assert_same_weights, final_weights, make_spec
 
@@ -117,7 +118,7 @@ def on_metrics(m):
         print("STALLED", flush=True)
         threading.Event().wait()
 
-train(spec, sys.argv[2], dataset_dir=sys.argv[3], on_metrics=on_metrics)
+train(spec, sys.argv[2], dataset_dir=sys.argv[3], reporter=CallbackReporter(metrics=on_metrics))
 """
 
 
@@ -166,7 +167,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(
 def test_partitioned_step_equals_unpartitioned(toy_verifier, prepared_dataset: Path, spec_for) -> None:
     from peagle_core.data import PreparedDataset
     from peagle_core.data.packing import pack_bins
-    from peagle_core.hidden_states.loader import BatchLoader, make_source
+    from peagle_core.hidden_states.backends import make_source
+    from peagle_core.hidden_states.loader import BatchLoader
     from peagle_core.training.builders import build_model, build_teacher
     from peagle_core.training.loop import forward_backward
 
@@ -209,7 +211,7 @@ def test_hybrid_second_epoch_reads_the_cache_without_the_verifier(
         spec,
         tmp_path / "run",
         dataset_dir=prepared_dataset,
-        on_event=lambda kind, msg, data: kind == "epoch" and epochs.append(data),
+        reporter=CallbackReporter(events=lambda e: e.kind == "epoch" and epochs.append(e.data)),
     )
     assert result.status == "completed"
     assert [e["epoch"] for e in epochs] == [0, 1]
@@ -286,7 +288,7 @@ def test_nonfinite_losses_fail_as_diverged_and_keep_the_last_good_checkpoint(
     bad.training.max_nonfinite_steps = 3
     metrics: list[dict] = []
     with pytest.raises(TrainingDiverged) as err:
-        train(bad, run, dataset_dir=prepared_dataset, on_metrics=metrics.append)
+        train(bad, run, dataset_dir=prepared_dataset, reporter=CallbackReporter(metrics=metrics.append))
     assert err.value.code == "diverged"
     assert err.value.param == "training.max_nonfinite_steps"
     assert "steps 3-5" in err.value.message and "step_00000002" in err.value.message
@@ -318,7 +320,12 @@ def test_categorised_prompts_are_evaluated_per_category_and_pool_to_the_whole(
     ]
     spec = parse_spec(raw)
     metrics: list[dict] = []
-    result = train(spec, tmp_path / "run", dataset_dir=prepared_dataset, on_metrics=metrics.append)
+    result = train(
+        spec,
+        tmp_path / "run",
+        dataset_dir=prepared_dataset,
+        reporter=CallbackReporter(metrics=metrics.append),
+    )
     eval_json = json.loads((result.export_dir / "eval.json").read_text())
     r3 = eval_json["results"]["k=3"]
     assert {c: v["num_prompts"] for c, v in r3["categories"].items()} == {"a": 2, "uncategorised": 1}

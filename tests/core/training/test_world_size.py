@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from peagle_core.errors import CheckpointError
+from peagle_core.events import CallbackReporter
 from peagle_core.spec import JobSpec
 from peagle_core.training.loop import train
 from peagle_core.training.resume import latest_checkpoint
@@ -37,6 +38,7 @@ STOP_AFTER = 2  # the 2-rank run stops (and checkpoints) after this many steps
 _RANK_SCRIPT = """
 import json, os, sys
 from safetensors.torch import save_file
+from peagle_core.events import CallbackReporter
 from peagle_core.spec import load_spec
 from peagle_core.training.loop import train
 
@@ -48,7 +50,7 @@ def on_metrics(m):
         losses.append(m["loss"])
     if "eval/acceptance_length@3" in m:
         evals.append([m["step"], m["eval/acceptance_length@3"]])
-result = train(load_spec(spec_file), out, dataset_dir=data, on_metrics=on_metrics,
+result = train(load_spec(spec_file), out, dataset_dir=data, reporter=CallbackReporter(metrics=on_metrics),
                should_stop=lambda: stop_after > 0 and len(losses) >= stop_after,
                on_consumed=lambda epoch, ids: consumed.extend(ids))
 if result.status == "completed":  # (a stopped FSDP run's ranks hold shards)
@@ -89,7 +91,7 @@ def _in_process(spec: JobSpec, out: Path, dataset: Path, stop_after: int = 0) ->
         spec,
         out,
         dataset_dir=dataset,
-        on_metrics=on_metrics,
+        reporter=CallbackReporter(metrics=on_metrics),
         should_stop=lambda: stop_after > 0 and len(losses) >= stop_after,
         on_consumed=lambda epoch, ids: consumed.extend(ids),
     )
