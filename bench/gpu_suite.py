@@ -477,7 +477,7 @@ def _toy_spec(
             "model": {"num_layers": 1, "num_depths": 4, "draft_vocab_size": 256},
             "training": {"total_seq_len": 256, "seed": 0, **training},
             # Our evaluator only: vLLM's CUDA build is not on the device image, and on the CPU dry run an
-            # engine start would eat the stage's time cap (tests/serving checks the vLLM path).
+            # engine start would eat the stage's time cap (tests/integration checks the vLLM path).
             "evaluation": {
                 "prompts": shapes.lossless_prompts,
                 "max_new_tokens": shapes.max_new_tokens,

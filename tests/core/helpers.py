@@ -26,7 +26,7 @@ def make_spec(verifier_dir: Path, data_path: Path, *, mode: str = "online", **tr
                 "seed": 7,
                 **training,
             },
-            # vLLM's own evaluation and publish gate have their tests (tests/serving); here they would only
+            # vLLM's own evaluation and publish gate have their tests (tests/integration); here they would only
             # add an engine start to every training run.
             "evaluation": {
                 "prompts": 2,

@@ -76,7 +76,7 @@ training:
 evaluation:
   prompts: 2
   max_new_tokens: 8
-  engine: peagle          # vLLM's own figures are tests/serving's; here they would only add engine starts
+  engine: peagle          # vLLM's own figures are tests/integration's; here they would only add engine starts
 export:
   vllm_check: false
 """

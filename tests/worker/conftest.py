@@ -39,7 +39,7 @@ def toy_spec(verifier_dir: Path, data_path: Path, **overrides: Any) -> dict[str,
             "checkpoint_every_steps": 2,
             "seed": 3,
         },
-        # vLLM runs in the tests that use VLLM_ON (and tests/serving); elsewhere it would only add an engine
+        # vLLM runs in the tests that use VLLM_ON (and tests/integration); elsewhere it would only add an engine
         # start to every job.
         "evaluation": {"prompts": 2, "max_new_tokens": 8, "engine": "peagle"},
         "export": {"vllm_check": False},

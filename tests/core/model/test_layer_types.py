@@ -1,5 +1,5 @@
 """Drafter layer families and checkpoints other tools wrote: the qwen3 format, and what a speculators
-checkpoint may carry that this drafter refuses (the vLLM side is tests/serving/test_interop.py)."""
+checkpoint may carry that this drafter refuses (the vLLM side is tests/integration/test_interop.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from peagle_core.serving.gate import Acceptance, NotServableError, ServingCheck, check_in_vllm
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
-from tests.serving.conftest import SHAPES
+from tests.integration.conftest import SHAPES
 
 CASES = [(shape.name, k) for shape in SHAPES for k in range(1, shape.num_depths + 1)]
 
@@ -157,7 +157,7 @@ def test_a_verified_export_records_the_check_beside_the_weights(
 ) -> None:
     from peagle_core.model.drafter import PEagleDraftModel
     from peagle_core.serving.export import export_checkpoint
-    from tests.serving.conftest import SHAPES
+    from tests.integration.conftest import SHAPES
 
     # The bf16-trained drafter (training.precision: bf16) passes the gate like an fp32-trained one.
     assert {s.name: s.precision for s in SHAPES}["draft-vocab-1-layer"] == "bf16"
