@@ -1,5 +1,6 @@
 """Layout figures of a source tree, one JSON line each: longest files, import cycles, cross-layer imports,
-repeated blocks of six or more lines, and the places that write each kind of database row.
+repeated blocks of six or more lines, the places that write each kind of database row, and how many times
+the event, reporter and evaluation-report types are defined.
 
     python bench/layout.py                 # this checkout
     python bench/layout.py --root /tmp/old # another checkout, e.g. `git worktree add /tmp/old <rev>`
@@ -25,6 +26,13 @@ from typing import Any
 LAYERS = ("peagle_core", "service", "worker", "client", "cli")
 BLOCK = 6  # lines in a repeated block
 WRITE_FUNCS = {"insert", "update", "delete", "pg_insert", "sqlite_insert"}
+# Type names (classes or module-level aliases) each kind has gone by; one definition of each is the goal.
+TYPE_KINDS = {
+    "event": re.compile(r"^(Event|EventFn|OnEvent)$"),
+    "metrics_callback": re.compile(r"^MetricsFn$"),
+    "reporter": re.compile(r"^(Reporter|Callbacks|Hooks)$"),
+    "evaluation_report": re.compile(r"^(EvaluationReport|EvalReport)$"),
+}
 
 
 def emit(**fields: Any) -> None:
@@ -274,6 +282,27 @@ def row_writers(root: Path) -> dict[str, list[str]]:
     return {cls: sorted(writers[cls]) for cls in sorted(classes)}
 
 
+def type_definitions(root: Path) -> dict[str, list[str]]:
+    """For each kind in TYPE_KINDS, the `module:Name` of every top-level class or alias defining it."""
+    found: dict[str, list[str]] = {kind: [] for kind in TYPE_KINDS}
+    for path in source_files(root):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            for name in names:
+                for kind, pattern in TYPE_KINDS.items():
+                    if pattern.match(name):
+                        found[kind].append(f"{path.relative_to(root)}:{name}")
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -303,6 +332,8 @@ def main() -> None:
     emit(tree=label, measure="row_writers", places={cls: len(w) for cls, w in writers.items()},
          outside_crud={cls: [w for w in ws if not w.startswith("service/crud/")] for cls, ws in writers.items()},
          writers=writers if args.verbose else None)  # fmt: skip
+    types = type_definitions(root)
+    emit(tree=label, measure="type_definitions", counts={k: len(v) for k, v in types.items()}, where=types)
 
 
 if __name__ == "__main__":
