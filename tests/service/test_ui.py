@@ -209,39 +209,8 @@ def test_the_job_page_shows_acceptance_per_position_and_category_and_the_speedup
     client, auth, api_key, spec, settings
 ) -> None:
     from service.db.models import Job
+    from tests.fixtures.eval_reports import UI_EVAL as eval_json
 
-    def figures(al: float, rates: list[float], n: int) -> dict[str, Any]:
-        return {
-            "acceptance_length": al,
-            "acceptance_rate_per_position": rates,
-            "drafts": 40,
-            "num_prompts": n,
-        }
-
-    # eval.json as the trainer writes it: per K, ours and vLLM's, per category, and the publish check.
-    eval_json = {
-        "step": 5,
-        "results": {
-            "k=2": {
-                "k": 2,
-                "acceptance_length": 1.875,
-                "acceptance_rate_per_position": [0.6875, 0.1875],
-                "verifier_passes": 80,
-                "categories": {"writing": figures(2.25, [0.8125, 0.4375], 3), "<b>math</b>": figures(1.5, [0.4, 0.1], 1)},
-                "vllm": {
-                    "acceptance_length": 1.8125,
-                    "acceptance_rate_per_position": [0.6625, 0.15],
-                    "categories": {"writing": figures(2.125, [0.75, 0.375], 3), "<b>math</b>": figures(1.4375, [0.4, 0.0375], 1)},
-                },
-            }
-        },
-        "serving": {
-            "status": "verified", "k": 2, "acceptance_length": 1.8125, "ours_acceptance_length": 1.875,
-            "acceptance_floor": 1.41,
-            "speedup": {"batch_size": 1, "k": 2, "prompts": 4, "output_tokens_per_s": 20.25,
-                        "baseline_output_tokens_per_s": 16.5, "speedup": 1.2272, "lossless": True},
-        },
-    }  # fmt: skip
     job = create_job(client, auth, spec)
     sessions = session_factory(settings.database_url)
     with sessions() as s:

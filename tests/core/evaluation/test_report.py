@@ -16,37 +16,8 @@ from peagle_core.evaluation.report import (
 )
 from peagle_core.serving.gate import ServingCheck
 from peagle_core.serving.recommendation import ServingRecommendation
+from tests.fixtures.eval_reports import UI_EVAL, figures
 
-
-def figures(al: float, rates: list[float], n: int) -> dict[str, Any]:
-    return {"acceptance_length": al, "acceptance_rate_per_position": rates, "drafts": 40, "num_prompts": n}
-
-
-# tests/service/test_ui.py's eval.json "as the trainer writes it": per K, ours and vLLM's, per category,
-# and the publish check (partial: only the keys the page reads).
-UI_EVAL = {
-    "step": 5,
-    "results": {
-        "k=2": {
-            "k": 2,
-            "acceptance_length": 1.875,
-            "acceptance_rate_per_position": [0.6875, 0.1875],
-            "verifier_passes": 80,
-            "categories": {"writing": figures(2.25, [0.8125, 0.4375], 3), "<b>math</b>": figures(1.5, [0.4, 0.1], 1)},
-            "vllm": {
-                "acceptance_length": 1.8125,
-                "acceptance_rate_per_position": [0.6625, 0.15],
-                "categories": {"writing": figures(2.125, [0.75, 0.375], 3), "<b>math</b>": figures(1.4375, [0.4, 0.0375], 1)},
-            },
-        }
-    },
-    "serving": {
-        "status": "verified", "k": 2, "acceptance_length": 1.8125, "ours_acceptance_length": 1.875,
-        "acceptance_floor": 1.41,
-        "speedup": {"batch_size": 1, "k": 2, "prompts": 4, "output_tokens_per_s": 20.25,
-                    "baseline_output_tokens_per_s": 16.5, "speedup": 1.2272, "lossless": True},
-    },
-}  # fmt: skip
 # tests/service/test_ui.py's smaller one: ours and vLLM's acceptance length alone.
 UI_EVAL_SMALL = {
     "step": 1,
