@@ -30,7 +30,10 @@ WRITE_FUNCS = {"insert", "update", "delete", "pg_insert", "sqlite_insert"}
 TYPE_KINDS = {
     "event": re.compile(r"^(Event|EventFn|OnEvent)$"),
     "metrics_callback": re.compile(r"^MetricsFn$"),
-    "reporter": re.compile(r"^(Reporter|Callbacks|Hooks)$"),
+    "reporter": re.compile(r"^Reporter$"),
+    # What the pipeline (`Callbacks`) and the trainer (`Hooks`, rank 0 only) are given beside the reporter:
+    # stop requests, progress counters, stored outputs. Counted apart: they hold a Reporter, not redefine it.
+    "run_controls": re.compile(r"^(Callbacks|Hooks)$"),
     "evaluation_report": re.compile(r"^(EvaluationReport|EvalReport)$"),
 }
 

@@ -114,11 +114,11 @@ def real_spec(verifier: str, dataset_id: str, eval_prompts: list[str], size: str
 
 def measure_speedup(verifier: Path, checkpoint: Path, k: int, prompts: list[str], new_tokens: int) -> dict:
     """vLLM at batch 1 on `prompts`, without and with the drafter (two engines, timed in alternating
-    pairs: `paired_speedup`): output tokens/s of each, their ratio, vLLM's acceptance length, and whether
+    pairs: `paired_speedups`): output tokens/s of each, their ratio, vLLM's acceptance length, and whether
     the output is unchanged."""
     from transformers import AutoTokenizer
 
-    from peagle_core.serving.speedup import paired_speedup
+    from peagle_core.serving.speedup import paired_speedups
     from peagle_core.vllm_engine import VllmEngine
 
     tok = AutoTokenizer.from_pretrained(str(verifier))
@@ -128,7 +128,8 @@ def measure_speedup(verifier: Path, checkpoint: Path, k: int, prompts: list[str]
         for p in prompts
     ]  # fmt: skip
     with VllmEngine() as plain, VllmEngine() as drafted:
-        return paired_speedup(
-            plain, drafted, str(verifier), [[p] for p in ids], new_tokens,
+        (result,) = paired_speedups(
+            plain, drafted, str(verifier), [[[p] for p in ids]], new_tokens,
             drafter=str(checkpoint), k=k, options={"dtype": "float32"},
         )  # fmt: skip
+    return result

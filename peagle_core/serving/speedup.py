@@ -19,28 +19,6 @@ def batch_groups(prompts: list[list[int]], batch_size: int) -> Groups:
     return [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
 
-def paired_speedup(
-    plain: VllmEngine,
-    drafted: VllmEngine,
-    verifier: str,
-    groups: Groups,
-    max_new_tokens: int,
-    *,
-    drafter: str | None = None,
-    k: int,
-    method: Method = "eagle3",
-    rounds: int = 3,
-    options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Output tokens/s without and with the speculator at K over `groups` (one batch each), `rounds` times:
-    `paired_speedups` for one set of groups."""
-    (result,) = paired_speedups(
-        plain, drafted, verifier, [groups], max_new_tokens,
-        drafter=drafter, k=k, method=method, rounds=rounds, options=options,
-    )  # fmt: skip
-    return result
-
-
 def paired_speedups(
     plain: VllmEngine,
     drafted: VllmEngine,

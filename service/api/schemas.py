@@ -174,7 +174,7 @@ class JobList(Page):
     data: list[Job]
 
 
-class Event(_Out):
+class JobEvent(_Out):
     id: int
     job_id: str
     created_at: datetime
@@ -185,7 +185,7 @@ class Event(_Out):
 
 
 class EventList(Page):
-    data: list[Event]
+    data: list[JobEvent]
 
 
 class MetricPoint(_Out):

@@ -7,10 +7,11 @@ dashboard and `/v1` cannot disagree; another project's ids answer 404 exactly as
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Annotated, Literal
 from urllib.parse import quote
 
-from fastapi import APIRouter, Form, Query, Request, Response
+from fastapi import APIRouter, Depends, Form, Query, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from service.api import actions
@@ -119,56 +120,53 @@ def logout(request: Request, session: Session, db: DB, csrf_token: CsrfField) ->
 # -- jobs ------------------------------------------------------------------------------------------
 
 
-def _job_list(
-    db: DB, project_id: str, status: str | None, after: str | None
-) -> tuple[list[views.JobRow], str | None]:
-    status = status if status in views.STATUS_SYMBOLS else None
-    page = jobs_crud.list_jobs(db, project_id, status=status, after=after, limit=PAGE_SIZE)
-    rows, has_more = page if page is not None else ([], False)
-    ckpts = checkpoints_crud.list_for_jobs(db, [j.id for j in rows])
-    return views.job_rows(rows, ckpts), (rows[-1].id if has_more and rows else None)
-
-
 # The filter form sends `status=` for "all": anything but a known status means no filter.
 StatusFilter = Annotated[str | None, Query(max_length=16)]
 Cursor = Annotated[str | None, Query(max_length=64)]
 
 
+@dataclass(frozen=True)
+class JobListing:
+    """One page of the project's jobs under the filter form's query (`status`, `after`)."""
+
+    rows: list[views.JobRow]
+    status: str | None  # the filter applied: None for "all" or an unknown status
+    after: str | None
+    next_cursor: str | None
+
+
+def job_listing(project: UiProject, db: DB, status: StatusFilter = None, after: Cursor = None) -> JobListing:
+    """The page of jobs the jobs page and its refreshed fragment show (a dependency of both)."""
+    status = status if status in views.STATUS_SYMBOLS else None
+    page = jobs_crud.list_jobs(db, project.id, status=status, after=after, limit=PAGE_SIZE)
+    rows, has_more = page if page is not None else ([], False)
+    ckpts = checkpoints_crud.list_for_jobs(db, [j.id for j in rows])
+    next_cursor = rows[-1].id if has_more and rows else None
+    return JobListing(views.job_rows(rows, ckpts), status, after, next_cursor)
+
+
+Listing = Annotated[JobListing, Depends(job_listing)]
+
+
 @router.get("/")
-def jobs_page(
-    request: Request,
-    session: Session,
-    project: UiProject,
-    db: DB,
-    status: StatusFilter = None,
-    after: Cursor = None,
-):
-    rows, next_cursor = _job_list(db, project.id, status, after)
+def jobs_page(request: Request, session: Session, project: UiProject, listing: Listing):
     return views.render(
         request,
         "jobs.html",
         session,
         project,
         nav="jobs",
-        rows=rows,
-        status=status if status in views.STATUS_SYMBOLS else None,
-        after=after,
-        next_cursor=next_cursor,
+        rows=listing.rows,
+        status=listing.status,
+        after=listing.after,
+        next_cursor=listing.next_cursor,
         statuses=list(views.STATUS_SYMBOLS),
     )
 
 
 @router.get("/fragments/jobs")
-def jobs_fragment(
-    request: Request,
-    session: Session,
-    project: UiProject,
-    db: DB,
-    status: StatusFilter = None,
-    after: Cursor = None,
-):
-    rows, _ = _job_list(db, project.id, status, after)
-    return views.render(request, "_job_rows.html", session, project, rows=rows)
+def jobs_fragment(request: Request, session: Session, project: UiProject, listing: Listing):
+    return views.render(request, "_job_rows.html", session, project, rows=listing.rows)
 
 
 def _panel_context(db: DB, job_id: str, project_id: str) -> dict | None:
@@ -197,17 +195,7 @@ def new_job_form(
     chosen = datasets_crud.get_dataset(db, project.id, dataset) if dataset else None
     page = datasets_crud.list_datasets(db, project.id, after=None, limit=1)
     newest = chosen.id if chosen else (page[0][0].id if page and page[0] else None)
-    return views.render(
-        request,
-        "new_job.html",
-        session,
-        project,
-        nav="new",
-        text=editor.template(newest),
-        errors=[],
-        resolved=None,
-        idem=secrets.token_urlsafe(16),
-    )
+    return _editor_page(request, session, project, editor.template(newest), [], None, "")
 
 
 @router.post("/jobs/new")
@@ -241,15 +229,30 @@ def new_job(
         errors = editor.errors_at_lines(
             spec_yaml, [("dataset.id", f"no dataset with id {spec.dataset.id!r}")]
         )
+    resolved = spec.model_dump(mode="json") if spec is not None and not errors else None
+    return _editor_page(request, session, project, spec_yaml, errors, resolved, idempotency_key)
+
+
+def _editor_page(
+    request: Request,
+    session: UiSession,
+    project: UiProject,
+    text: str,
+    errors: list,
+    resolved: dict | None,
+    idempotency_key: str,
+) -> Response:
+    """The spec editor showing `text`, its errors and resolved spec; a resubmitted form keeps its
+    idempotency key (a double submit creates one job), a fresh form gets a new one."""
     return views.render(
         request,
         "new_job.html",
         session,
         project,
         nav="new",
-        text=spec_yaml,
+        text=text,
         errors=errors,
-        resolved=spec.model_dump(mode="json") if spec is not None and not errors else None,
+        resolved=resolved,
         idem=idempotency_key or secrets.token_urlsafe(16),
     )
 

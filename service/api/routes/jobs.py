@@ -231,7 +231,7 @@ async def _follow(
     """Poll the DB for new events and emit them as SSE until the job is terminal and drained, or the
     API key that opened the stream is revoked."""
 
-    def poll(cursor: int | None) -> tuple[list[schemas.Event], str | None, bool]:
+    def poll(cursor: int | None) -> tuple[list[schemas.JobEvent], str | None, bool]:
         # Status first, events second: the two reads need not share a snapshot (SQLite autocommits
         # each SELECT), and a terminal status read first guarantees the events read after include the
         # terminal transition's event.
@@ -241,7 +241,7 @@ async def _follow(
             job = jobs_crud.find_job(db, job_id)
             status = job.status if job else None
             rows, _ = events_crud.events_after(db, job_id, cursor, 500)
-            return [schemas.Event.model_validate(e) for e in rows], status, True
+            return [schemas.JobEvent.model_validate(e) for e in rows], status, True
 
     cursor = after
     idle = 0.0
