@@ -193,6 +193,10 @@ def events_answer(
         key_hash: str = request.state.key_hash
         slots: StreamSlots = request.app.state.streams
         slots.acquire(key_hash)
+        # The stream polls with sessions of its own. Left open, the request's session would keep its
+        # pooled connection checked out (idle in transaction) for as long as the stream lasts: a few
+        # keys' streams would then hold the whole pool and every other request wait for it, then 503.
+        db.close()
         return _SlotStream(
             _follow(request, sessions, job_id, start, settings.events_poll_s, key_hash),
             release=lambda: slots.release(key_hash),
