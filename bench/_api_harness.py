@@ -98,15 +98,17 @@ def service_env(tmp: Path, database_url: str, redis_url: str, **extra: str) -> d
 
 
 @contextlib.contextmanager
-def served_api(env: dict[str, str], ready_timeout_s: float = 60) -> Iterator[str]:
+def served_api(env: dict[str, str], ready_timeout_s: float = 60, production: bool = False) -> Iterator[str]:
     """Serve the API with uvicorn in a subprocess on a free loopback port; yield its base URL once
-    /readyz answers, and stop the server on the way out."""
+    /readyz answers, and stop the server on the way out. `production`: launched as `peagle api` is, with
+    its uvicorn settings (timeouts, limits, proxy headers), not a bare uvicorn command line."""
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--no-access-log"],
-        env=env,
-    )  # fmt: skip
+    if production:
+        argv = ["-m", "cli", "api", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    else:
+        argv = ["-m", "uvicorn", "service.app:create_app", "--factory", "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "warning", "--no-access-log"]  # fmt: skip
+    server = subprocess.Popen([sys.executable, *argv], env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout_s

@@ -52,7 +52,7 @@ def document_envelope_422(app: Any) -> None:
 
 def id_links(param: str, *operation_ids: str, source: str = "$response.body#/id") -> dict[str, Any]:
     """OpenAPI links from a response's id to the operations taking it as the path parameter `param`, so
-    clients and stateful tests (Schemathesis) can follow create -> inspect -> delete."""
+    clients and stateful tests (Schemathesis) can follow create -> inspect -> cancel -> delete."""
     return {"links": {op: {"operationId": op, "parameters": {param: source}} for op in operation_ids}}
 
 

@@ -3,12 +3,17 @@ script for live updates. `install(app)` adds it to the API app; `GET /` redirect
 
 from __future__ import annotations
 
+import os
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.datastructures import Headers
+from starlette.staticfiles import NotModifiedResponse
+from starlette.types import Scope
 
+from service.api.byte_ranges import RangedFileResponse
 from service.api.errors import envelope
 from service.ui import data, pages
 from service.ui.session import CsrfError, NotSignedIn
@@ -27,6 +32,23 @@ async def _csrf_failed(_: Request, __: Exception) -> Response:
     return JSONResponse(envelope(403, message, code="csrf_failed"), status_code=403)
 
 
+class _StaticFiles(StaticFiles):
+    """StaticFiles whose Range answers are the checkpoint downloads' (`parse_range`): a malformed Range
+    gets the whole file, not Starlette's 400, and a list of ranges is not served as multipart."""
+
+    def file_response(
+        self,
+        full_path: str | os.PathLike[str],
+        stat_result: os.stat_result,
+        scope: Scope,
+        status_code: int = 200,
+    ) -> Response:
+        response = RangedFileResponse(full_path, status_code=status_code, stat_result=stat_result)
+        if self.is_not_modified(response.headers, Headers(scope=scope)):
+            return NotModifiedResponse(response.headers)
+        return response
+
+
 def install(app: FastAPI) -> None:
     """Mount the dashboard on `app`."""
 
@@ -40,6 +62,6 @@ def install(app: FastAPI) -> None:
 
     app.include_router(data.router)
     app.include_router(pages.router)
-    app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
+    app.mount("/ui/static", _StaticFiles(directory=HERE / "static"), name="ui-static")
     app.add_exception_handler(NotSignedIn, _not_signed_in)
     app.add_exception_handler(CsrfError, _csrf_failed)

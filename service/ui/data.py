@@ -108,7 +108,7 @@ def checkpoint_file(
     db: DB,
     store: Store,
     project: UiProject,
-    range: Annotated[str | None, Header()] = None,  # parsed as the API's: `parse_range`
+    range: Annotated[str | None, Header()] = None,  # parsed as the API's: `byte_ranges.parse_range`
 ):
     return checkpoints_api.file(
         checkpoint_id=checkpoint_id,

@@ -106,3 +106,29 @@ def test_event_streams_are_capped_per_key_and_end_on_revocation(
             rest = list(lines)  # ends by itself, although the job is still queued
         assert "event: end" in rest and any("api key revoked" in line for line in rest)
         assert c.get(f"/v1/jobs/{job['id']}", headers=auth).status_code == 401
+
+
+def test_an_event_stream_gives_the_request_session_back(app, db_url) -> None:
+    """Under uvicorn the request's session is closed only when the response ends; a stream that kept its
+    transaction would hold a pooled connection (idle in transaction) for as long as it stays open."""
+    from starlette.requests import Request
+
+    from service.api.routes.jobs import EventsQuery, events_answer
+    from service.crud.jobs import create_job
+    from service.crud.projects import create_key
+    from service.db.models import Project
+
+    with app.state.sessions() as db:
+        _, key = create_key(db, "one-stream")
+        job_id = create_job(db, key.project_id, {}, max_attempts=1).id
+        db.commit()
+        request = Request(
+            {"type": "http", "headers": [(b"accept", b"text/event-stream")], "app": app, "state": {}}
+        )
+        request.state.key_hash = key.key_hash
+        query = EventsQuery(project=db.get(Project, key.project_id), job_id=job_id)
+        answer = events_answer(
+            query, request=request, db=db, sessions=app.state.sessions, settings=app.state.settings
+        )
+        assert answer.media_type == "text/event-stream"
+        assert not db.in_transaction()  # its connection is back in the pool while the stream runs

@@ -1,5 +1,6 @@
 """Stateful Schemathesis run: calls chained along the OpenAPI links (create a job or dataset, then use its
-id), so the id-taking routes see real resources and not only random ids; no 5xx, schema-conformant."""
+id), so the id-taking routes see real resources and not only random ids; no 5xx, schema-conformant. A job
+created is inspected, cancelled and deleted along the links. It prints one JSON line of its counts."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ _ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 def test_linked_calls_reach_real_resources(app, db_url, spec, redis_conn) -> None:
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     calls: Counter[tuple[str, str, int]] = Counter()
+    created: set[str] = set()  # ids that a create call returned
+    on_created: Counter[tuple[str, str, int]] = Counter()  # calls whose path id is one of them
+    linked: Counter[str] = Counter()  # link id -> calls whose parameters it filled in
+    failures: Counter[str] = Counter()
 
     class Workflow(schema.as_state_machine()):  # type: ignore[misc]
         def setup(self) -> None:
@@ -43,24 +48,58 @@ def test_linked_calls_reach_real_resources(app, db_url, spec, redis_conn) -> Non
             if case.path.endswith("/events"):  # a queued job's live stream never ends: ask for a page
                 case.headers["Accept"] = "application/json"
 
+        def step(self, input: Any) -> Any:
+            if input.transition is not None and input.is_applied:
+                linked[input.transition.id] += 1
+            return super().step(input)
+
         def validate_response(self, response: Any, case: Any, **kwargs: Any) -> None:
-            calls[(case.method, case.path, response.status_code)] += 1
+            key = (case.method, case.path, response.status_code)
+            calls[key] += 1
+            if set((case.path_parameters or {}).values()) & created:
+                on_created[key] += 1
+            if case.method == "POST" and response.status_code == 201:
+                created.add(response.json()["id"])
             checks = CHECKS
             if case.path.endswith("/tensorboard"):
                 # A job's TensorBoard archive exists only once it logged to TensorBoard: its 404 for a job
                 # just created is the documented answer, not a lost resource.
                 checks = [c for c in CHECKS if c is not ensure_resource_availability]
-            case.validate_response(response, checks=checks, recorder=self.recorder)
+            try:
+                case.validate_response(response, checks=checks, recorder=self.recorder)
+            except Exception:
+                failures[f"{case.method} {case.path}"] += 1
+                raise
 
-    Workflow.run(
-        settings=settings(
-            max_examples=12,
-            stateful_step_count=4,
-            deadline=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
+    try:
+        Workflow.run(
+            settings=settings(
+                max_examples=60,
+                stateful_step_count=8,
+                deadline=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
         )
-    )
-    # Links were followed: an id-taking route answered 200 for an id a create call returned.
-    linked = {(m, p) for (m, p, status) in calls if status == 200 and "{" in p}
-    assert any(p.startswith(("/v1/jobs/{job_id}", "/v1/datasets/{dataset_id}")) for _, p in linked), calls
+    finally:  # printed on failure too, so a failing run still reports what it reached
+        line = {
+            "schemathesis": "stateful",
+            "database": db_url.split(":", 1)[0].split("+", 1)[0],
+            "operations": len({(m, p) for m, p, _ in calls}),
+            "examples": sum(calls.values()),
+            "linked_calls": sum(linked.values()),
+            "links_followed": len(linked),
+            "failures": sum(failures.values()),
+            "on_created_ids": {f"{m} {p} {s}": n for (m, p, s), n in sorted(on_created.items())},
+        }
+        print(json.dumps(line))
+    # The links reach every step of a resource's life for an id a create call returned: a job is
+    # inspected, cancelled (200) and, once cancelled, deleted (200); a dataset inspected and deleted.
+    for method, path in [
+        ("GET", "/v1/jobs/{job_id}"),
+        ("POST", "/v1/jobs/{job_id}/cancel"),
+        ("DELETE", "/v1/jobs/{job_id}"),
+        ("GET", "/v1/datasets/{dataset_id}"),
+        ("DELETE", "/v1/datasets/{dataset_id}"),
+    ]:
+        assert on_created[(method, path, 200)] >= 1, (method, path, dict(on_created))

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
 
 from service.api import schemas
+from service.api.byte_ranges import parse_range
 from service.api.deps import DB, CurrentProject, Store
 from service.api.errors import ApiError, not_found
 from service.api.tarstream import tar_plan, tar_stream
@@ -22,14 +23,6 @@ from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_r
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
 
 _ERRORS = schemas.error_responses(401, 404)
-_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
-# Offsets past any file: a longer digit string reads as this (int() of over 4300 digits raises; shorter
-# ones still cost quadratic time), so `bytes=<5000 digits>-` is a 416, not a 500.
-_BEYOND_ANY_FILE = 1 << 63
-
-
-def _offset(digits: str) -> int:
-    return int(digits) if len(digits) <= 19 else _BEYOND_ANY_FILE
 
 
 def _checkpoint_or_404(db: DB, project_id: str, checkpoint_id: str) -> Checkpoint:
@@ -88,35 +81,6 @@ def _attachment(name: str) -> str:
     base = name.rsplit("/", 1)[-1]
     ascii_name = re.sub(r"[^A-Za-z0-9._-]", "_", base) or "download"
     return f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(base, safe='')}"
-
-
-def parse_range(header: str, size: int) -> tuple[int, int] | None:
-    """(start, end exclusive) of a single `bytes=` range; None means serve the whole file.
-
-    Raises ApiError 416 for a syntactically valid range that lies outside the file.
-    """
-    m = _RANGE.match(header.strip())
-    if m is None:
-        return None  # multiple ranges or another unit: ignoring Range is allowed (RFC 9110 §14.2)
-    first, last = m.groups()
-    if not first and not last:
-        return None
-    if not first:  # suffix: the last N bytes
-        n = _offset(last)
-        if n == 0 or size == 0:
-            raise _unsatisfiable(size)
-        return max(0, size - n), size
-    start = _offset(first)
-    end = min(_offset(last), size - 1) if last else size - 1
-    if start >= size or (last and _offset(last) < start):
-        raise _unsatisfiable(size)
-    return start, end + 1
-
-
-def _unsatisfiable(size: int) -> ApiError:
-    return ApiError(
-        416, f"range not satisfiable: the file has {size} bytes", headers={"Content-Range": f"bytes */{size}"}
-    )
 
 
 @router.get(

@@ -75,7 +75,12 @@ def list_datasets(
     return schemas.DatasetList.of(rows, has_more)
 
 
-@router.get("/{dataset_id}", response_model=schemas.Dataset, responses=_ERRORS, summary="Inspect a dataset")
+@router.get(
+    "/{dataset_id}",
+    response_model=schemas.Dataset,
+    responses={**_ERRORS, 200: schemas.id_links("dataset_id", *schemas.DATASET_OPS)},
+    summary="Inspect a dataset",
+)
 def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dataset:
     row = crud.get_dataset(db, project.id, dataset_id)
     if row is None:

@@ -99,7 +99,17 @@ def list_jobs(
     return schemas.JobList.of(rows, has_more)
 
 
-@router.get("/{job_id}", response_model=schemas.Job, responses=_ERRORS, summary="Inspect a job")
+# Links from every answer carrying a job, not only the create's: a client (or a stateful test) goes
+# create -> inspect -> cancel -> delete along them.
+_JOB_LINKS = {200: schemas.id_links("job_id", *schemas.JOB_OPS)}
+
+
+@router.get(
+    "/{job_id}",
+    response_model=schemas.Job,
+    responses={**_ERRORS, **_JOB_LINKS},
+    summary="Inspect a job",
+)
 def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
     return schemas.Job.model_validate(_job_or_404(db, project.id, job_id))
 
@@ -107,7 +117,7 @@ def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
 @router.post(
     "/{job_id}/cancel",
     response_model=schemas.Job,
-    responses={**_ERRORS, **schemas.error_responses(409)},
+    responses={**_ERRORS, **_JOB_LINKS, **schemas.error_responses(409)},
     summary="Cancel a job",
     description="A queued job is cancelled at once. A running job becomes `cancelling`: the worker saves "
     "a checkpoint and stops (hard stop after the grace period). A finished job answers 409.",
@@ -183,6 +193,10 @@ def events_answer(
         key_hash: str = request.state.key_hash
         slots: StreamSlots = request.app.state.streams
         slots.acquire(key_hash)
+        # The stream polls with sessions of its own. Left open, the request's session would keep its
+        # pooled connection checked out (idle in transaction) for as long as the stream lasts: a few
+        # keys' streams would then hold the whole pool and every other request wait for it, then 503.
+        db.close()
         return _SlotStream(
             _follow(request, sessions, job_id, start, settings.events_poll_s, key_hash),
             release=lambda: slots.release(key_hash),
