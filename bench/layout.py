@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,6 +37,59 @@ TYPE_KINDS = {
     "run_controls": re.compile(r"^(Callbacks|Hooks)$"),
     "evaluation_report": re.compile(r"^(EvaluationReport|EvalReport)$"),
 }
+
+
+# Run in a child process of the measured tree: a one-step toy job (online hidden states, no regeneration),
+# every call of `peagle_core.io.sha256_file` counted per file, wherever a module imported it.
+_HASH_PASSES_JOB = """
+import collections, json, sys, tempfile
+from pathlib import Path
+import peagle_core.io as pio
+import peagle_core.data.prepare, peagle_core.regeneration.rewrite  # their sha256_file is patched too
+import peagle_core.pipeline.stages as stages
+from peagle_core.spec import parse_spec
+from peagle_core.toy import build_toy_verifier, write_toy_dataset
+
+original, passes = pio.sha256_file, collections.Counter()
+
+def counting(path, *args, **kwargs):
+    passes[str(Path(path).resolve())] += 1
+    return original(path, *args, **kwargs)
+
+for module in list(sys.modules.values()):
+    if getattr(module, "__dict__", {}).get("sha256_file") is original:
+        setattr(module, "sha256_file", counting)
+work = Path(tempfile.mkdtemp())
+verifier = build_toy_verifier("test", seed=0, cache_dir=work / "toy")
+data = write_toy_dataset(work / "data.jsonl", n=64, seed=0)
+spec = parse_spec({
+    "verifier": {"name_or_path": str(verifier)},
+    "dataset": {"path": str(data), "seq_len": 128, "val_fraction": 0.1},
+    "hidden_states": {"mode": "online"},
+    "model": {"num_layers": 1, "num_depths": 2, "draft_vocab_size": 256},
+    "training": {"total_seq_len": 256, "max_steps": 1},
+    "evaluation": {"prompts": 0}, "export": {"vllm_check": False},
+})
+result = stages.run_pipeline(spec, work / "run")
+print(json.dumps({"status": result.status, "passes": passes[str(data.resolve())]}))
+"""
+
+
+def hash_passes(root: Path) -> dict[str, Any]:
+    """How many times one job reads its dataset file to hash it (`_HASH_PASSES_JOB`, run on `root`)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", _HASH_PASSES_JOB],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1])
 
 
 def emit(**fields: Any) -> None:
@@ -312,6 +366,7 @@ def main() -> None:
     )
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--label", default=None, help="tag every line with this (e.g. before/after)")
+    parser.add_argument("--no-job", action="store_true", help="skip hash_passes_per_job (a one-step toy job)")
     parser.add_argument("--verbose", action="store_true", help="list every cycle, import, block and writer")
     args = parser.parse_args()
     root = args.root.resolve()
@@ -337,6 +392,8 @@ def main() -> None:
          writers=writers if args.verbose else None)  # fmt: skip
     types = type_definitions(root)
     emit(tree=label, measure="type_definitions", counts={k: len(v) for k, v in types.items()}, where=types)
+    if not args.no_job:
+        emit(tree=label, measure="hash_passes_per_job", **hash_passes(root))
 
 
 if __name__ == "__main__":

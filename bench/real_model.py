@@ -33,7 +33,9 @@ def recipe(
     regen = {"engine": "vllm", "max_new_tokens": args.regen_tokens} if regenerate else False
     return {
         "name": f"real-model bench ({MODEL})",
-        "verifier": {"name_or_path": str(verifier), "dtype": "float32"},
+        # `auto`: vLLM extracts hidden states (and regenerates) in bf16 where bf16 is fast (1.7x fp32 on
+        # SmolLM2 here, bench/hidden_states.py); our own verifier passes stay fp32 on a CPU.
+        "verifier": {"name_or_path": str(verifier), "dtype": args.verifier_dtype},
         "dataset": {
             "path": str(data),
             "seq_len": args.seq_len,
@@ -72,6 +74,7 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     """The flags `recipe` reads (bench/recipe_sweep.py shares them, with its own defaults)."""
     p.add_argument("--regen-tokens", type=int, default=192)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--verifier-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--hs-engine", default="vllm", choices=["vllm", "transformers"])
     p.add_argument("--total-seq-len", type=int, default=4096)
     p.add_argument("--num-layers", type=int, default=1)
@@ -109,6 +112,9 @@ def main() -> None:
     p.add_argument("--timing-prompts", type=int, default=16, help="0: no speed-up timing")
     p.add_argument(
         "--timing-ks", type=int, nargs="*", help="K values timed at each batch size (default: num_depths)"
+    )
+    p.add_argument(
+        "--ngram-ks", type=int, nargs="*", help="K values timed for vLLM's ngram (default: the --timing-ks)"
     )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -241,8 +247,9 @@ def time_serving(
     batchings = [batch_groups(timing, b) for b in (1, 8)]
     rows: list[dict[str, Any]] = []
     with VllmEngine() as plain:
-        for method in ("eagle3", "ngram"):
-            for k in args.timing_ks or range(1, depths + 1):
+        ours_ks = args.timing_ks or range(1, depths + 1)
+        for method, ks in (("eagle3", ours_ks), ("ngram", args.ngram_ks or ours_ks)):
+            for k in ks:
                 # One engine process per configuration: vLLM's CPU build cannot build another engine in a
                 # process whose ngram proposer has loaded numba (peagle_core.serving.judge).
                 with VllmEngine() as drafted:

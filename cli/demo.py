@@ -161,7 +161,7 @@ def demo(
     typer.echo("[5/5] validating the checkpoint…", err=True)
     _report(out, verifier_path, ckpt, job, time.monotonic() - t0)
     if model is not None:
-        _report_speedup(out, verifier_path, ckpt, eval_prompts, REAL_BUDGETS[size].eval_new_tokens)
+        _report_speedup(ckpt)
     typer.echo(f"demo wall time: {(time.monotonic() - t0) / 60:.1f} min")
 
 
@@ -245,44 +245,22 @@ def _report(
     typer.echo(serve_command(str(verifier_path), out, k, as_module=True))
 
 
-def _report_speedup(
-    out: Path, verifier_path: Path, ckpt: dict[str, Any], prompts: list[str], new_tokens: int
-) -> None:
-    """vLLM's speed-up: the job's figure when it measured one, else measured here when vLLM is installed."""
-    from cli.demo_real import measure_speedup
-    from peagle_core.vllm_engine import vllm_available
+def _report_speedup(ckpt: dict[str, Any]) -> None:
+    """vLLM's speed-ups as the job measured them (`evaluation.measure_speedup`): the drafter's and
+    vLLM's `ngram` at each K and batch size, each against plain decoding on the same prompts."""
+    from peagle_core.evaluation.report import EvaluationReport
 
-    k = json.loads((out / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
-        "speculative_tokens"
-    ]
-    metrics = ckpt.get("metrics") or {}
-    measured = {key: v for key, v in _flatten(metrics).items() if "speedup" in key and isinstance(v, float)}
-    if measured:
-        for key, v in measured.items():
-            typer.echo(f"vLLM speed-up ({key}, measured by the job): {v:.2f}x")
-        return
-    if not vllm_available():
-        typer.echo("vLLM speed-up: not measured (vLLM is not installed here)")
-        return
-    typer.echo(f"measuring vLLM's speed-up at batch 1 on {len(prompts)} MT-Bench prompts…", err=True)
-    r = measure_speedup(verifier_path, out, k, prompts, new_tokens)
-    typer.echo(
-        f"vLLM at batch 1, K={k}, {r['prompts']} MT-Bench prompts x {new_tokens} tokens: "
-        f"{r['output_tokens_per_s']:.1f} tok/s with the drafter vs {r['baseline_output_tokens_per_s']:.1f} "
-        f"without (median of {r['rounds']} rounds timed in pairs): "
-        f"speed-up {r['speedup']:.2f}x (acceptance length {r['acceptance_length']:.3f}; output "
-        f"{'unchanged' if r['lossless'] else 'CHANGED'})"
-    )
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = v
-    return out
+    serving = EvaluationReport.from_dict((ckpt.get("metrics") or {}).get("eval")).serving
+    rows = (serving.speedups if serving is not None else None) or []
+    if not rows:
+        typer.echo("vLLM speed-up: not measured (vLLM is not installed where the job ran)")
+    for r in rows:
+        name = "drafter" if r.method in (None, "eagle3") else r.method
+        typer.echo(
+            f"vLLM speed-up, {name} at K={r.k}, batch {r.batch_size}, {r.prompts} prompts: "
+            f"{r.output_tokens_per_s or 0:.1f} vs {r.baseline_output_tokens_per_s or 0:.1f} tok/s plain, "
+            f"{r.speedup or 0:.2f}x"
+        )
 
 
 def _follow_with_progress(client: PeagleClient, job_id: str, timeout_s: float) -> dict[str, Any]:

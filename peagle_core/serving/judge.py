@@ -100,7 +100,10 @@ class VllmJudge:
         options: dict[str, Any] | None = None,
         categories: list[str | None] | None = None,
         engine: VllmEngine | None = None,
+        timing_dtype: str | None = None,
     ):
+        """`options` are the gate's engine settings (fp32 on a CPU: see `engine_options`); the speed-up
+        timing runs in `timing_dtype` instead where given: what users serve (bf16 where it is fast)."""
         if not prompts:
             raise ValueError("vLLM evaluation needs at least one prompt")
         self.verifier = verifier
@@ -111,6 +114,7 @@ class VllmJudge:
         self._engine: VllmEngine | None = engine
         self._owns_engine = engine is None  # a caller's engine outlives the judge
         self._reference: list[list[int]] | None = None
+        self.timing_dtype = timing_dtype
 
     def __enter__(self) -> VllmJudge:
         return self
@@ -197,6 +201,8 @@ class VllmJudge:
         one engine switches sides (rebuilding)."""
         ks = sorted(set(ks), reverse=True)
         options = {"max_model_len": model_len_for(self.prompts, self.max_new_tokens, max(ks)), **self.options}
+        if self.timing_dtype is not None:
+            options["dtype"] = self.timing_dtype
         one_device = "gpu_memory_utilization" in options  # a second engine would not fit beside the first
         sizes = sorted({min(b, len(self.prompts)) for b in batch_sizes})
         batchings = [batch_groups(self.prompts, b) for b in sizes]
@@ -210,6 +216,8 @@ class VllmJudge:
                 drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,  # type: ignore[arg-type]
                 rounds=rounds, options=options,
             )  # fmt: skip
+            for r in rows:
+                r.setdefault("dtype", options.get("dtype"))  # what the figures were timed in
 
         try:
             for k in ks:

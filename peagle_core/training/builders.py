@@ -26,6 +26,7 @@ from peagle_core.hidden_states.vllm_extract import VllmHiddenStates
 from peagle_core.model.config import PEagleConfig
 from peagle_core.model.drafter import PEagleDraftModel
 from peagle_core.model.objective import Teacher
+from peagle_core.model.precision import vllm_dtype
 from peagle_core.serving.judge import Engines, VllmJudge, engine_options, resolve_engines
 from peagle_core.spec import JobSpec
 from peagle_core.training import distributed as dist_utils
@@ -236,5 +237,7 @@ def build_judge(
         trust_remote_code=spec.verifier.trust_remote_code,
         options=engine_options(device, spec.verifier.dtype),
         categories=categories,
+        # Speed-ups are timed in the dtype users serve: bf16 where it is fast, unless the spec names one.
+        timing_dtype=vllm_dtype(spec.verifier.dtype, device),
     )
     return engines, judge
