@@ -251,7 +251,9 @@ def _report_speedup(ckpt: dict[str, Any]) -> None:
     from peagle_core.evaluation.report import EvaluationReport
 
     serving = EvaluationReport.from_dict((ckpt.get("metrics") or {}).get("eval")).serving
-    rows = (serving.speedups if serving is not None else None) or []
+    rows = []
+    if serving is not None:  # a job from before ngram was timed stored only the drafter's row
+        rows = serving.speedups or ([serving.speedup] if serving.speedup is not None else [])
     if not rows:
         typer.echo("vLLM speed-up: not measured (vLLM is not installed where the job ran)")
     for r in rows:
