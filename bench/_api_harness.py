@@ -127,14 +127,23 @@ def served_api(env: dict[str, str], ready_timeout_s: float = 60, production: boo
 
 
 async def drive(
-    base: str, key: str, method: str, paths: list[str], body: Any, rate: float, duration: float
+    base: str,
+    key: str,
+    method: str,
+    paths: list[str],
+    body: Any,
+    rate: float,
+    duration: float,
+    local_address: str | None = None,
 ) -> dict:
-    """Open loop: request i is sent at t0 + i/rate whatever the latency of earlier ones."""
+    """Open loop: request i is sent at t0 + i/rate whatever the latency of earlier ones; from
+    `local_address` (a loopback address such as 127.0.0.2) when given."""
     headers = {"Authorization": f"Bearer {key}"}
     latencies: list[float] = []
     errors = 0
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-    async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=30) as client:
+    transport = httpx.AsyncHTTPTransport(limits=limits, local_address=local_address)
+    async with httpx.AsyncClient(base_url=base, headers=headers, transport=transport, timeout=30) as client:
 
         async def one(path: str) -> None:
             nonlocal errors

@@ -69,7 +69,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=is_dataset_upload)
     app.add_middleware(
-        FairShareMiddleware, limit=settings.max_writes_in_flight_per_caller, cookie_name=SESSION_COOKIE
+        FairShareMiddleware,
+        limit=settings.max_writes_in_flight_per_caller,
+        cookie_name=SESSION_COOKIE,
+        request_limit=settings.max_requests_in_flight_per_caller,
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     for module in (health, plans, jobs, tracking, datasets, checkpoints):

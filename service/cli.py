@@ -38,6 +38,8 @@ def api(
     """Serve the REST API with uvicorn (settings from PEAGLE_* environment variables)."""
     import uvicorn
 
+    from service.http_server import server_options
+
     uvicorn.run(
         "service.app:create_app",
         factory=True,
@@ -45,7 +47,7 @@ def api(
         port=port,
         workers=workers,
         log_level=log_level,
-        proxy_headers=True,
+        **server_options(),
     )
 
 

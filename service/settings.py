@@ -114,6 +114,45 @@ class Settings(BaseSettings):
         description="Write requests (POST, PUT, PATCH, DELETE) one API key or dashboard session may have in "
         "flight per API process (more: 429 at once), so one caller never holds the shared thread pool.",
     )
+    max_requests_in_flight_per_caller: int = Field(
+        default=16,
+        ge=1,
+        le=1000,
+        description="Requests of any kind one API key, dashboard session or (without either) client address "
+        "may have waiting for their answer's head per API process (more: 429 at once, before a thread or a "
+        "database connection is taken), so a burst from one caller never holds the thread pool or the "
+        "connection pool; an open event stream or download no longer counts once it has started. Keep it "
+        "below the thread pool (40) for the guarantee to hold.",
+    )
+    http_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Seconds a connection has to deliver a complete request head after it opens or after "
+        "its previous answer; then it is closed.",
+    )
+    http_body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="Seconds after its head within which a request body must be complete, unless it keeps "
+        "arriving at PEAGLE_HTTP_BODY_MIN_RATE (averaged since the head); else 408 and the connection closes.",
+    )
+    http_body_min_rate: int = Field(
+        default=64 << 10,
+        ge=1,
+        le=1 << 30,
+        description="Bytes per second a request body must average, past PEAGLE_HTTP_BODY_TIMEOUT_S, to go on "
+        "(at the default, an upload of the 1 GiB default cap may take 4.5 hours).",
+    )
+    http_max_connections_per_peer: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Open connections one peer address may hold per API process; more are answered 429 and "
+        "closed. Behind a reverse proxy every connection comes from the proxy: raise it to the proxy's own "
+        "connection limit there.",
+    )
     max_plans_per_key: int = Field(
         default=2, ge=1, le=1000, description="Plans one API key may have in flight at once (more: 429)."
     )

@@ -76,7 +76,22 @@ def current_project(
         limiter.failed(source)
         raise ApiError(401, "invalid or revoked API key", code="invalid_api_key", headers=challenge)
     request.state.key_hash = hash_key(creds.credentials)
+    # End the lookup's transaction (the project stays loaded): between this dependency's thread and the
+    # route's the request waits for a thread again, and a connection held across that wait is how a burst
+    # of requests checked out the whole pool while the threads that had to serve them waited for one.
+    db.commit()
     return project
+
+
+async def presented_key_hash(
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> str | None:
+    """The hash of the bearer key presented, not looked up (None without one), for limits that refuse a
+    request on the event loop before the lookup takes a thread and a pooled connection. An unknown key
+    has nothing counted against it, so such a refusal tells nothing about a guess."""
+    if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
+        return None
+    return hash_key(creds.credentials)
 
 
 CurrentProject = Annotated[Project, Depends(current_project)]

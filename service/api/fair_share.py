@@ -1,11 +1,15 @@
-"""A cap on the writes one caller has in flight (`PEAGLE_MAX_WRITES_IN_FLIGHT_PER_CALLER`), answered 429 at once.
+"""Caps on what one caller has in flight, answered 429 at once: writes (`PEAGLE_MAX_WRITES_IN_FLIGHT_PER_CALLER`)
+and requests of any kind still waiting for their answer (`PEAGLE_MAX_REQUESTS_IN_FLIGHT_PER_CALLER`).
 
 Sync routes run on one shared thread pool, and a write may wait on the project lock (SQLite's write lock
 under contention, a Postgres row lock). Without a cap, one API key firing hundreds of plans, uploads or
 dashboard Validates parks every thread of the pool on that wait, and every other project's reads queue
-behind it. The caller is the bearer key, else the dashboard session cookie, else the client address; the
-count is kept in the event loop, before any thread is taken. Reads are not capped: they hold no lock, and
-the long polls (`GET /v1/plans/{id}?wait=`) and event streams hold no thread.
+behind it. Reads hold no lock, but a burst of them (150 event-stream requests at once, say) queues just as
+much work on the threads and the database pool, which every tenant shares: so every request counts
+against the caller's request cap until its answer's head is sent. A long poll (`GET /v1/plans/{id}?wait=`)
+counts while it waits; an event stream or a download stops counting once its head is out, since it then
+holds no thread. The caller is the bearer key, else the dashboard session cookie, else the client address;
+the counts are kept in the event loop, before any thread is taken or the key is looked up.
 """
 
 from __future__ import annotations
@@ -34,32 +38,71 @@ def _caller(scope: Scope, cookie_name: str) -> str:
     return f"addr:{client[0]}"
 
 
-class FairShareMiddleware:
-    """At most `limit` writes in flight per caller in this process; more answer 429 without running."""
+def _too_many(what: str, n: int, setting: str, limit: int) -> ApiError:
+    return ApiError(
+        429,
+        f"this caller has {n} {what} in flight (limit {setting}: {limit}); retry when one answers",
+        code="too_many_in_flight",
+        headers={"Retry-After": "1"},
+    )
 
-    def __init__(self, app: Any, limit: int, cookie_name: str):
-        self.app, self.limit, self.cookie_name = app, limit, cookie_name
-        self._inflight: Counter[str] = Counter()  # touched only on the event loop: no lock needed
+
+class FairShareMiddleware:
+    """At most `limit` writes in flight per caller in this process, and (with `request_limit`) at most that
+    many requests not yet answered; more answer 429 without running."""
+
+    def __init__(self, app: Any, limit: int, cookie_name: str, request_limit: int | None = None):
+        self.app, self.limit, self.cookie_name, self.request_limit = app, limit, cookie_name, request_limit
+        # Touched only on the event loop: no lock needed.
+        self._inflight: Counter[str] = Counter()  # writes, until they end
+        self._unanswered: Counter[str] = Counter()  # any request, until its answer's head is sent
 
     async def __call__(self, scope: Scope, receive: Callable[[], Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http" or scope["method"].encode() not in _WRITES:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         caller = _caller(scope, self.cookie_name)
-        if self._inflight[caller] >= self.limit:
-            response = ApiError(
-                429,
-                f"this caller has {self._inflight[caller]} write requests in flight "
-                f"(limit PEAGLE_MAX_WRITES_IN_FLIGHT_PER_CALLER: {self.limit}); retry when one answers",
-                code="too_many_in_flight",
-                headers={"Retry-After": "1"},
-            ).response()
-            await response(scope, receive, send)
+        write = scope["method"].encode() in _WRITES
+        refusal = None
+        if self.request_limit is not None and self._unanswered[caller] >= self.request_limit:
+            refusal = _too_many(
+                "requests",
+                self._unanswered[caller],
+                "PEAGLE_MAX_REQUESTS_IN_FLIGHT_PER_CALLER",
+                self.request_limit,
+            )
+        elif write and self._inflight[caller] >= self.limit:
+            refusal = _too_many(
+                "write requests", self._inflight[caller], "PEAGLE_MAX_WRITES_IN_FLIGHT_PER_CALLER", self.limit
+            )
+        if refusal is not None:
+            await refusal.response()(scope, receive, send)
             return
-        self._inflight[caller] += 1
+        answered = False
+
+        def answer() -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                _release(self._unanswered, caller)
+
+        async def send_counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                answer()
+            await send(message)
+
+        self._unanswered[caller] += 1
+        if write:
+            self._inflight[caller] += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_counted)
         finally:
-            self._inflight[caller] -= 1
-            if self._inflight[caller] <= 0:
-                del self._inflight[caller]
+            answer()
+            if write:
+                _release(self._inflight, caller)
+
+
+def _release(counts: Counter[str], caller: str) -> None:
+    counts[caller] -= 1
+    if counts[caller] <= 0:
+        del counts[caller]

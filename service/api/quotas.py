@@ -180,16 +180,24 @@ class StreamSlots:
         self._open: Counter[str] = Counter()
         self._lock = threading.Lock()
 
+    def check(self, key: str) -> None:
+        """429 when `key` has no stream slot left (`acquire` still decides: this is an early refusal)."""
+        with self._lock:
+            self._check(key)
+
+    def _check(self, key: str) -> None:
+        if self._open[key] >= self.limit:
+            raise ApiError(
+                429,
+                f"this API key has {self._open[key]} open event streams "
+                f"(limit PEAGLE_MAX_STREAMS_PER_KEY: {self.limit}); close one first",
+                code="stream_limit",
+                headers={"Retry-After": "5"},
+            )
+
     def acquire(self, key: str) -> None:
         with self._lock:
-            if self._open[key] >= self.limit:
-                raise ApiError(
-                    429,
-                    f"this API key has {self._open[key]} open event streams "
-                    f"(limit PEAGLE_MAX_STREAMS_PER_KEY: {self.limit}); close one first",
-                    code="stream_limit",
-                    headers={"Retry-After": "5"},
-                )
+            self._check(key)
             self._open[key] += 1
 
     def release(self, key: str) -> None:

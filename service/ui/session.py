@@ -139,6 +139,7 @@ def current_project(request: Request, session: Session, db: DB) -> Project:
     if key is None or project is None:
         raise NotSignedIn()
     request.state.key_hash = key.key_hash
+    db.commit()  # as the API's bearer check: no pooled connection held while the route waits for a thread
     return project
 
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session
 
 from service.api import actions, schemas
-from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store
+from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store, presented_key_hash
 from service.api.errors import ApiError, not_found
 from service.api.json_body import JsonBodyRoute
 from service.api.quotas import StreamSlots
@@ -140,8 +140,19 @@ def delete_job(job_id: str, db: DB, store: Store, project: CurrentProject) -> sc
     return schemas.Deleted(id=job_id, object="job")
 
 
+async def _stream_slot_left(
+    request: Request, key_hash: Annotated[str | None, Depends(presented_key_hash)]
+) -> None:
+    """Refuse a stream request over the key's cap on the event loop, before the key lookup and the job
+    read take a thread and a pooled connection: a burst of them then costs the shared pools nothing."""
+    if key_hash is not None and "text/event-stream" in request.headers.get("accept", ""):
+        slots: StreamSlots = request.app.state.streams
+        slots.check(key_hash)
+
+
 @router.get(
     "/{job_id}/events",
+    dependencies=[Depends(_stream_slot_left)],
     response_model=schemas.EventList,
     responses={
         **_ERRORS,
