@@ -38,7 +38,7 @@ REAL_BUDGETS = {
     # Sized for a 2-core CPU: regeneration, training and both evaluations in minutes (see README).
     "default": RealBudget(
         train_prompts=160, max_prompt_chars=500, regen_new_tokens=96, seq_len=320, epochs=2, max_steps=80,
-        num_layers=1, num_depths=4, draft_vocab_size=8192, lr=2e-3, eval_prompts=8, eval_new_tokens=48,
+        num_layers=1, num_depths=2, draft_vocab_size=8192, lr=2e-3, eval_prompts=8, eval_new_tokens=48,
     ),
     "test": RealBudget(
         train_prompts=16, max_prompt_chars=300, regen_new_tokens=16, seq_len=192, epochs=1, max_steps=4,
@@ -81,7 +81,8 @@ def real_spec(verifier: str, dataset_id: str, eval_prompts: list[str], size: str
     b = REAL_BUDGETS[size]
     return {
         "name": f"demo-{Path(verifier).name}-{size}",
-        "verifier": {"name_or_path": verifier, "dtype": "float32"},
+        # `auto`: vLLM regenerates in bf16 where bf16 is fast; the gate and our own passes stay fp32 on a CPU
+        "verifier": {"name_or_path": verifier, "dtype": "auto"},
         "dataset": {
             "id": dataset_id,
             "seq_len": b.seq_len,

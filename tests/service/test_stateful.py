@@ -94,12 +94,15 @@ def test_linked_calls_reach_real_resources(app, db_url, spec, redis_conn) -> Non
         }
         print(json.dumps(line))
     # The links reach every step of a resource's life for an id a create call returned: a job is
-    # inspected, cancelled (200) and, once cancelled, deleted (200); a dataset inspected and deleted.
-    for method, path in [
-        ("GET", "/v1/jobs/{job_id}"),
-        ("POST", "/v1/jobs/{job_id}/cancel"),
-        ("DELETE", "/v1/jobs/{job_id}"),
-        ("GET", "/v1/datasets/{dataset_id}"),
-        ("DELETE", "/v1/datasets/{dataset_id}"),
+    # inspected, cancelled and deleted, a dataset inspected and deleted. Which answer a job's delete gets
+    # depends on the rule order Hypothesis drew (200 once cancelled, 409 while still queued); both are the
+    # documented answers, and both show the link was followed.
+    for method, path, answers in [
+        ("GET", "/v1/jobs/{job_id}", {200}),
+        ("POST", "/v1/jobs/{job_id}/cancel", {200}),
+        ("DELETE", "/v1/jobs/{job_id}", {200, 409}),
+        ("GET", "/v1/datasets/{dataset_id}", {200}),
+        ("DELETE", "/v1/datasets/{dataset_id}", {200}),
     ]:
-        assert on_created[(method, path, 200)] >= 1, (method, path, dict(on_created))
+        reached = sum(on_created[(method, path, status)] for status in answers)
+        assert reached >= 1, (method, path, dict(on_created))
