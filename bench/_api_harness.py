@@ -30,8 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def add_service_args(ap: argparse.ArgumentParser) -> None:
-    """--postgres-url (the admin URL scratch databases are created from) and --redis-url."""
+def add_service_args(ap: argparse.ArgumentParser, *, sqlite: bool = False) -> None:
+    """--postgres-url (the admin URL scratch databases are created from) and --redis-url; with `sqlite`,
+    --sqlite too (a SQLite file instead of a scratch Postgres database)."""
     ap.add_argument(
         "--postgres-url",
         default=os.environ.get(
@@ -41,6 +42,10 @@ def add_service_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--redis-url", default=os.environ.get("PEAGLE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
+    if sqlite:
+        ap.add_argument(
+            "--sqlite", action="store_true", help="a SQLite file instead of a scratch Postgres database"
+        )
 
 
 def scratch_database(admin_url: str, sqlite_dir: Path | None = None) -> tuple[str, str | None]:

@@ -122,10 +122,7 @@ async def _flood(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_service_args(ap)
-    ap.add_argument(
-        "--sqlite", action="store_true", help="a SQLite file instead of a scratch Postgres database"
-    )
+    harness.add_service_args(ap, sqlite=True)
     ap.add_argument("--rate", type=float, default=50.0, help="project A's GET /v1/jobs per second")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
     ap.add_argument("--plan-workers", type=int, default=60, help="project B's concurrent plan submitters")

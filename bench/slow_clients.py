@@ -242,10 +242,7 @@ async def other_tenant(base: str, key: str, rate: float, duration: float, starte
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    harness.add_service_args(ap)
-    ap.add_argument(
-        "--sqlite", action="store_true", help="a SQLite file instead of a scratch Postgres database"
-    )
+    harness.add_service_args(ap, sqlite=True)
     ap.add_argument("--dribblers", type=int, default=40, help="uploads sending one body byte a second")
     ap.add_argument("--streams", type=int, default=150, help="event streams opened and never read")
     ap.add_argument("--idle", type=int, default=400, help="TCP connections that send nothing")
