@@ -100,6 +100,13 @@ class ServingRecommendation:
             for b in self.batches
             if b.best_k is not None and b.best_k != self.k
         )
+        # A drafter that loses to the training-free speculator should say so: the user may serve ngram.
+        others += "".join(
+            f"; vLLM's ngram is faster at batch {b.batch_size} ({b.ngram_speedup:.2f}× against "
+            f"{b.speedup:.2f}×)"
+            for b in self.batches
+            if b.speedup is not None and b.ngram_speedup is not None and b.ngram_speedup > b.speedup
+        )
         return f"serve with num_speculative_tokens={self.k}: {figures} ({ngram_part}){others}"
 
     def to_dict(self) -> dict[str, Any]:

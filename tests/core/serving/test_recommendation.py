@@ -61,6 +61,16 @@ def test_a_k_beating_plain_only_at_a_larger_batch_is_served() -> None:
     )
 
 
+def test_a_drafter_that_loses_to_ngram_says_so() -> None:
+    # The real demo's figures (stop 37): the drafter beats plain, ngram beats it.
+    rec = ServingRecommendation.choose([row("eagle3", 2, 1, 1.01), row("ngram", 2, 1, 1.14)])
+    assert rec is not None and rec.k == 2
+    assert rec.sentence() == (
+        "serve with num_speculative_tokens=2: 1.01× at batch 1 (ngram 1.14×); "
+        "vLLM's ngram is faster at batch 1 (1.14× against 1.01×)"
+    )
+
+
 def test_it_round_trips_and_old_results_have_none() -> None:
     rec = ServingRecommendation.choose(MEASURED)
     assert rec is not None
