@@ -141,10 +141,7 @@ class BoundedH11Protocol(H11Protocol):
         self._track()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._body_timer):
-            if timer is not None:
-                timer.cancel()
-        self._head_timer = self._body_timer = None
+        self._cancel_deadlines()
         if self._peer is not None:
             self._open_by_peer[self._peer] -= 1
             if self._open_by_peer[self._peer] <= 0:
@@ -190,6 +187,12 @@ class BoundedH11Protocol(H11Protocol):
             self._body_timer.cancel()
             self._body_timer = None
 
+    def _cancel_deadlines(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+
     def _head_overdue(self) -> None:
         self._head_timer = None
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
@@ -228,10 +231,7 @@ class BoundedH11Protocol(H11Protocol):
         """The app answered without reading the whole body: stop reading it into h11, say we are done
         writing, and close once the client had a moment to read the answer."""
         self._lingering = True
-        for timer in (self._head_timer, self._body_timer):
-            if timer is not None:
-                timer.cancel()
-        self._head_timer = self._body_timer = None
+        self._cancel_deadlines()
         self._unset_keepalive_if_required()
         if self.transport.can_write_eof():
             self.transport.write_eof()

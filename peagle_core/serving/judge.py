@@ -210,14 +210,12 @@ class VllmJudge:
         rows: list[dict[str, Any]] = []
 
         def measure(drafted: VllmEngine, k: int, method: str) -> None:
-            nonlocal rows
-            rows += paired_speedups(
+            measured = paired_speedups(
                 plain, drafted, self.verifier, batchings, self.max_new_tokens,
                 drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,  # type: ignore[arg-type]
                 rounds=rounds, options=options,
             )  # fmt: skip
-            for r in rows:
-                r.setdefault("dtype", options.get("dtype"))  # what the figures were timed in
+            rows.extend({**r, "dtype": options.get("dtype")} for r in measured)  # what they were timed in
 
         try:
             for k in ks:
