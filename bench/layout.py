@@ -59,19 +59,20 @@ def counting(path, *args, **kwargs):
 for module in list(sys.modules.values()):
     if getattr(module, "__dict__", {}).get("sha256_file") is original:
         setattr(module, "sha256_file", counting)
-work = Path(tempfile.mkdtemp())
-verifier = build_toy_verifier("test", seed=0, cache_dir=work / "toy")
-data = write_toy_dataset(work / "data.jsonl", n=64, seed=0)
-spec = parse_spec({
-    "verifier": {"name_or_path": str(verifier)},
-    "dataset": {"path": str(data), "seq_len": 128, "val_fraction": 0.1},
-    "hidden_states": {"mode": "online"},
-    "model": {"num_layers": 1, "num_depths": 2, "draft_vocab_size": 256},
-    "training": {"total_seq_len": 256, "max_steps": 1},
-    "evaluation": {"prompts": 0}, "export": {"vllm_check": False},
-})
-result = stages.run_pipeline(spec, work / "run")
-print(json.dumps({"status": result.status, "passes": passes[str(data.resolve())]}))
+with tempfile.TemporaryDirectory() as tmp:
+    work = Path(tmp)
+    verifier = build_toy_verifier("test", seed=0, cache_dir=work / "toy")
+    data = write_toy_dataset(work / "data.jsonl", n=64, seed=0)
+    spec = parse_spec({
+        "verifier": {"name_or_path": str(verifier)},
+        "dataset": {"path": str(data), "seq_len": 128, "val_fraction": 0.1},
+        "hidden_states": {"mode": "online"},
+        "model": {"num_layers": 1, "num_depths": 2, "draft_vocab_size": 256},
+        "training": {"total_seq_len": 256, "max_steps": 1},
+        "evaluation": {"prompts": 0}, "export": {"vllm_check": False},
+    })
+    result = stages.run_pipeline(spec, work / "run")
+    print(json.dumps({"status": result.status, "passes": passes[str(data.resolve())]}))
 """
 
 
