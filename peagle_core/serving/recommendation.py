@@ -102,8 +102,7 @@ class ServingRecommendation:
         )
         # A drafter that loses to the training-free speculator should say so: the user may serve ngram.
         others += "".join(
-            f"; vLLM's ngram is faster at batch {b.batch_size} ({b.ngram_speedup:.2f}× against "
-            f"{b.speedup:.2f}×)"
+            f"; ngram is faster at batch {b.batch_size} ({b.ngram_speedup:.2f}× against {b.speedup:.2f}×)"
             for b in self.batches
             if b.speedup is not None and b.ngram_speedup is not None and b.ngram_speedup > b.speedup
         )

@@ -67,7 +67,7 @@ def test_a_drafter_that_loses_to_ngram_says_so() -> None:
     assert rec is not None and rec.k == 2
     assert rec.sentence() == (
         "serve with num_speculative_tokens=2: 1.01× at batch 1 (ngram 1.14×); "
-        "vLLM's ngram is faster at batch 1 (1.14× against 1.01×)"
+        "ngram is faster at batch 1 (1.14× against 1.01×)"
     )
 
 
