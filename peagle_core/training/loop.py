@@ -60,7 +60,7 @@ from peagle_core.training.builders import (
     global_batch_bins,
     load_verifier,
 )
-from peagle_core.training.cpu_runtime import keep_freed_memory
+from peagle_core.training.cpu_runtime import keep_freed_memory, trim_freed_memory
 from peagle_core.training.result import PipelineResult
 from peagle_core.training.resume import (
     DataPosition,
@@ -217,6 +217,8 @@ def _train(run: Trainer, progress: Progress) -> PipelineResult:
                 if not progress.running(run.total_steps):
                     break
                 metrics = train_step(run, batches, shard, epoch=progress.epoch)
+                if run.device.type == "cpu":
+                    trim_freed_memory()  # the kept heap fragments as step shapes vary
                 hooks.consumed(progress.epoch, [i for b in shard.consumed for i in bins[b]])
                 progress.advance(shard.step_bins)
                 progress.nonfinite_steps = 0 if _finite(metrics) else progress.nonfinite_steps + 1

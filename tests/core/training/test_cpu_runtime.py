@@ -1,0 +1,59 @@
+"""The CPU allocator settings: freed memory is kept for reuse, and given back once it passes the cap.
+
+Each case runs in a child process: mallopt changes the whole process's allocator.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+
+# Big buffers of changing sizes with a small long-lived one between them: the pattern that fragments a
+# heap that is never trimmed (a training step's buffers on real data).
+CHILD = textwrap.dedent(
+    """
+    import json, random, sys, torch
+    from peagle_core.training import cpu_runtime as c
+    kept = c.keep_freed_memory() if sys.argv[1] == "keep" else False
+    random.seed(0)
+    pinned = []
+    for _ in range(60):
+        a = torch.empty(random.randint(20, 120) << 20, dtype=torch.uint8); a.fill_(1)
+        pinned.append(torch.empty(1 << 16, dtype=torch.uint8))
+        b = torch.empty(random.randint(20, 120) << 20, dtype=torch.uint8); b.fill_(1)
+        del a, b
+    held = c.resident_free_bytes()
+    under_cap = c.trim_freed_memory(cap=held + (1 << 30))
+    returned = c.trim_freed_memory(cap=256 << 20)
+    print(json.dumps({"kept": kept, "held": held, "under_cap": under_cap, "returned": returned,
+                      "after": c.resident_free_bytes()}))
+    """
+)
+
+
+def _run(mode: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True, timeout=120
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_kept_memory_is_given_back_only_past_the_cap() -> None:
+    r = _run("keep")
+    assert r["kept"] is True
+    assert r["held"] > 1 << 30  # the fragmenting pattern left over a GiB resident and free
+    assert r["under_cap"] == 0  # under the cap nothing is trimmed: the pages stay for the next step
+    assert r["returned"] > r["held"] // 2
+    assert r["after"] < 256 << 20
+
+
+def test_without_the_kept_heap_there_is_nothing_to_trim() -> None:
+    r = _run("default")
+    assert r["kept"] is False
+    assert r["returned"] == 0  # glibc's own trimming is in force; the call leaves it alone
