@@ -108,8 +108,16 @@ def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
     spec = parse_spec(raw)
     emit(bench="scaling", budget=budget, spec=spec.model_dump(mode="json", exclude_unset=True))
     t0 = time.monotonic()
-    steps: list[tuple[float, int]] = []  # (time, step) of every optimizer step: the training rate
-    reporter = CallbackReporter(metrics=lambda m: steps.append((time.monotonic(), int(m.get("step", 0)))))
+    steps: list[
+        tuple[float, int]
+    ] = []  # (time, step) when each optimizer step first reports: the training rate
+
+    def on_metrics(m: dict[str, Any]) -> None:
+        step = int(m.get("step", 0))
+        if not steps or step > steps[-1][1]:  # evaluation re-reports its step later
+            steps.append((time.monotonic(), step))
+
+    reporter = CallbackReporter(metrics=on_metrics)
     pipeline = Pipeline.of(spec, args.work / f"run-{int(budget)}", store=store, callbacks=Callbacks(reporter))
     result = pipeline.run(resume=True)
     steps = [s for s in steps if s[1] > 0]
