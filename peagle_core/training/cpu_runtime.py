@@ -8,7 +8,7 @@ bench/train_throughput.py). Serving the heap from brk and never trimming it keep
 On real data the step's buffers change size from step to step (COD rows, documents per row), and a heap
 that is never trimmed fragments: a 0.75M-token run on SmolLM2 held 11.6 GB of anonymous memory after 180
 steps, of which `malloc_trim` gave back 9.5 GB at once. `trim_freed_memory` therefore returns the free
-memory glibc holds whenever it passes a cap (2 GiB by default), so the common case keeps its pages and
+memory glibc holds whenever it passes a cap (4 GiB by default), so the common case keeps its pages and
 the heap cannot grow without bound.
 """
 
@@ -27,7 +27,7 @@ _M_TOP_PAD = -2
 _M_MMAP_MAX = -4
 _applied = False
 # Free bytes glibc may hold before `trim_freed_memory` returns them; PEAGLE_MAX_FREED_MEMORY_MB overrides.
-DEFAULT_MAX_FREED_BYTES = 2 << 30
+DEFAULT_MAX_FREED_BYTES = 4 << 30
 
 
 class _MallInfo2(ctypes.Structure):
