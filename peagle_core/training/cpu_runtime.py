@@ -15,6 +15,7 @@ the heap cannot grow without bound.
 from __future__ import annotations
 
 import ctypes
+import functools
 import ctypes.util
 import logging
 import os
@@ -40,6 +41,7 @@ class _MallInfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
+@functools.cache  # called after every step: load libc once
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
