@@ -15,8 +15,8 @@ the heap cannot grow without bound.
 from __future__ import annotations
 
 import ctypes
-import functools
 import ctypes.util
+import functools
 import logging
 import os
 
