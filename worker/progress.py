@@ -185,6 +185,9 @@ class ProgressWriter:
         for key in ("total_steps", "eta_s", "epoch"):
             if values.get(key) is not None:
                 self.progress[key] = values[key]
+        for key in ("loss", "tokens_per_s"):  # for live progress bars; a non-finite loss shows as null
+            if key in values:
+                self.progress[key] = values[key]
         for key, value in values.items():
             # The best acceptance length so far, for job lists (the metric rows hold the whole series).
             if key.startswith("eval/acceptance_length@") and isinstance(value, int | float):
