@@ -8,6 +8,7 @@ greedy output on the evaluation prompts, computed once: every drafter is compare
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from peagle_core.spec import JobSpec
 
 GAP_TOLERANCE = 0.03  # ours and vLLM's acceptance length implement the same greedy chain
+# (label, rounds done, rounds in all) before each timed round, e.g. ("timing drafter K=2 round 2/3", 4, 12)
+OnStep = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class VllmJudge:
         speedup_ks: list[int] | None = None,
         speedup_batch_sizes: tuple[int, ...] | list[int] = (1,),
         speedup_rounds: int = 3,
+        on_step: OnStep | None = None,
     ) -> ServingCheck:
         """The publish gate on a finished checkpoint directory (raises NotServableError): lossless, and
         vLLM's acceptance length not clearly below `ours` (our evaluator's at K on these prompts). With
@@ -170,8 +174,9 @@ class VllmJudge:
         )
         if measure_speedup:
             rows = self.measure_speedup(
-                checkpoint_dir, speedup_ks or [k], batch_sizes=speedup_batch_sizes, rounds=speedup_rounds
-            )
+                checkpoint_dir, speedup_ks or [k], batch_sizes=speedup_batch_sizes, rounds=speedup_rounds,
+                on_step=on_step,
+            )  # fmt: skip
             smallest = min(r["batch_size"] for r in rows)
             check.speedups = rows
             check.speedup = next(
@@ -188,6 +193,7 @@ class VllmJudge:
         *,
         batch_sizes: tuple[int, ...] | list[int] = (1,),
         rounds: int = 3,
+        on_step: OnStep | None = None,
     ) -> list[dict[str, Any]]:
         """vLLM's output tokens/s over the evaluation prompts, batched by each of `batch_sizes` (capped at
         the number of prompts), with the drafter and with vLLM's `ngram` speculator at each K of `ks`,
@@ -198,7 +204,7 @@ class VllmJudge:
         of one configuration share it. On the CPU the plain side runs in a second engine process that is
         built once; the judge's engine, which the gate left holding the drafter at the largest K, takes
         the drafter's side, largest K first, and each ngram K an engine process of its own. On a GPU the
-        one engine switches sides (rebuilding)."""
+        one engine switches sides (rebuilding). `on_step` hears each timed round start, for progress."""
         ks = sorted(set(ks), reverse=True)
         options = {"max_model_len": model_len_for(self.prompts, self.max_new_tokens, max(ks)), **self.options}
         if self.timing_dtype is not None:
@@ -210,10 +216,17 @@ class VllmJudge:
         rows: list[dict[str, Any]] = []
 
         def measure(drafted: VllmEngine, k: int, method: str) -> None:
+            done = len(rows) // len(sizes) * rounds  # rounds of the configurations timed so far
+            name = "drafter" if method == DRAFTER else method
+
+            def on_round(r: int) -> None:
+                if on_step is not None:
+                    on_step(f"timing {name} K={k} round {r + 1}/{rounds}", done + r, 2 * len(ks) * rounds)
+
             measured = paired_speedups(
                 plain, drafted, self.verifier, batchings, self.max_new_tokens,
                 drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,  # type: ignore[arg-type]
-                rounds=rounds, options=options,
+                rounds=rounds, options=options, on_round=on_round,
             )  # fmt: skip
             rows.extend({**r, "dtype": options.get("dtype")} for r in measured)  # what they were timed in
 

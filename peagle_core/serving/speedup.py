@@ -4,6 +4,7 @@ drifting on a shared machine slows both sides alike instead of whichever happene
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from peagle_core.vllm_engine import Method, VllmEngine
@@ -31,6 +32,7 @@ def paired_speedups(
     method: Method = "eagle3",
     rounds: int = 3,
     options: dict[str, Any] | None = None,
+    on_round: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Output tokens/s without and with the speculator (`drafter` at K, or vLLM's `ngram` at K) for each
     set of groups in `batchings` (the same prompts batched differently, e.g. batch 1 and batch 8), one
@@ -41,7 +43,7 @@ def paired_speedups(
     it, so each round runs all groups on one side, then all on the other, the order alternating by round
     (ABBA, which cancels a linear drift). One untimed warm-up per side first. `speedup` is the median of
     the per-round ratios, `acceptance_length` vLLM's over every timed drafted run; `lossless` compares the
-    two sides' tokens in the last round."""
+    two sides' tokens in the last round. `on_round(r)` hears each round (0-based) start, for progress."""
     if rounds < 1 or not batchings or not all(batchings):
         raise ValueError("a speed-up needs at least one round and one group of prompts")
     options = options or {}
@@ -56,6 +58,8 @@ def paired_speedups(
         engine, extra = sides[side]
         return engine.generate(verifier, group, max_new_tokens, **extra, **options)
 
+    if on_round is not None:
+        on_round(0)  # the warm-up, which builds the speculator's engine, counts as the first round's
     for side in ("plain", "drafted"):
         run(side, batchings[0][0])
     items = [(s, g) for s, groups in enumerate(batchings) for g in groups]
@@ -66,6 +70,8 @@ def paired_speedups(
     drafts, accepted = [0] * n, [0] * n
     tokens: list[dict[str, list[list[int]]]] = []
     for r in range(rounds):
+        if on_round is not None and r:
+            on_round(r)
         spent = [{side: [0, 0.0] for side in sides} for _ in range(n)]  # output tokens, seconds
         tokens = [{"plain": [], "drafted": []} for _ in range(n)]
         for b, block in enumerate(blocks):

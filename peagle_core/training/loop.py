@@ -655,6 +655,8 @@ def publish_gate(run: Trainer, progress: Progress, k: int) -> Callable[[Path], S
         speedup_ks=run.spec.speculative_tokens,
         speedup_batch_sizes=run.spec.evaluation.speedup_batch_sizes,
         speedup_rounds=run.spec.evaluation.speedup_rounds,
+        # Each timed round as an event with its count: clients show the timing's progress (`peagle jobs logs -f`).
+        on_step=lambda label, done, total: run.hooks.event("serving", label, done=done, total=total),
     )
 
 
