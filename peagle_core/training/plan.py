@@ -274,7 +274,6 @@ def plan_job(
 ) -> tuple[dict[str, Any], Rates]:
     """The plan of `spec` on this device, and the rates it used (calibrated here unless `rates` is given)."""
     from peagle_core.data.prepare import prepare_for_spec
-    from peagle_core.hidden_states.codec import bytes_per_token
     from peagle_core.training.builders import count_steps
 
     data_path, work_dir = Path(data_path), Path(work_dir)
@@ -290,18 +289,8 @@ def plan_job(
         rates = calibrate(spec, data_path, work_dir / "prepared", work_dir)
         source = "calibration"
 
-    hidden = _verifier_hidden_size(spec)
     num_tokens = int(dataset.manifest["num_tokens"])
-    cache = {}
-    for dtype in CACHE_DTYPES:
-        size = num_tokens * bytes_per_token(dtype, 3 * hidden, hidden)
-        limit = spec.hidden_states.max_cache_bytes
-        cache[dtype] = {
-            "bytes": size,
-            "fits_max_cache_bytes": None if limit is None else size <= limit,
-            "fits_free_space": None if free_bytes is None else size <= free_bytes,
-        }
-
+    cache = _cache_sizes(spec, num_tokens, free_bytes)
     stages = _stage_estimates(spec, rates, len(dataset), num_tokens, steps, val_idx)
     plan = {
         "plan_version": PLAN_VERSION,
@@ -332,6 +321,23 @@ def plan_job(
         "rates": asdict(rates),
     }
     return plan, rates
+
+
+def _cache_sizes(spec: JobSpec, num_tokens: int, free_bytes: int | None) -> dict[str, dict[str, Any]]:
+    """The hidden-state cache's bytes in each dtype, and whether it fits the spec's limit and the free space."""
+    from peagle_core.hidden_states.codec import bytes_per_token
+
+    hidden = _verifier_hidden_size(spec)
+    limit = spec.hidden_states.max_cache_bytes
+    cache = {}
+    for dtype in CACHE_DTYPES:
+        size = num_tokens * bytes_per_token(dtype, 3 * hidden, hidden)
+        cache[dtype] = {
+            "bytes": size,
+            "fits_max_cache_bytes": None if limit is None else size <= limit,
+            "fits_free_space": None if free_bytes is None else size <= free_bytes,
+        }
+    return cache
 
 
 def _refuse_prompts_only(spec: JobSpec, data_path: Path) -> None:
