@@ -169,8 +169,9 @@ class ModelSpec(DrafterSettings, _Strict):
         default=None,
         min_length=1,
         max_length=4096,
-        description="A P-EAGLE checkpoint directory (ours or speculators') to start training from; its "
-        "architecture and draft vocabulary are kept, and the init_*_from_verifier options do not apply.",
+        description="A P-EAGLE or EAGLE-3 checkpoint directory (ours or speculators') to start training from "
+        "(of model.method); its architecture and draft vocabulary are kept, and the init_*_from_verifier "
+        "options do not apply.",
     )
     init_embeddings_from_verifier: bool = True
     init_lm_head_from_verifier: bool = Field(
@@ -453,9 +454,10 @@ class JobSpec(_Strict):
                 f"({self.dataset.seq_len}) so that every sample fits a packed row"
             )
         weights = self.training.depth_weights
-        if isinstance(weights, list) and (len(weights) != self.model.num_depths or not sum(weights) > 0):
+        if isinstance(weights, list) and (len(weights) != self.model.row_depths or not sum(weights) > 0):
+            per = "model.ttt_steps" if self.model.method == "eagle3" else "model.num_depths"
             raise ValueError(
-                f"training.depth_weights: give {self.model.num_depths} weights (model.num_depths), not all 0"
+                f"training.depth_weights: give {self.model.row_depths} weights ({per}), not all 0"
             )
         if self.training.optimizer == "muon" and self.training.sharding == "fsdp":
             raise ValueError("training.optimizer: muon orthogonalises whole matrices; use sharding: ddp")

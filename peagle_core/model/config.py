@@ -1,5 +1,5 @@
-"""The drafter's configuration, defined once: the P-EAGLE settings a job chooses and the shape it takes
-from the verifier.
+"""The drafter's configuration, defined once: the method (P-EAGLE or EAGLE-3) and settings a job chooses,
+and the shape it takes from the verifier.
 
 `DrafterSettings` are the fields `JobSpec.model` exposes (spec.py extends it); `PEagleConfig` adds the
 shape read from the verifier's HF config. Imports no torch, so the job spec stays light.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig
@@ -22,13 +22,25 @@ MROPE_KEYS = ("mrope_section", "mrope_interleaved", "xdrope_section")
 # The drafter layer families vLLM's speculators loader maps (`update_peagle`: model_type -> architecture);
 # qwen3 adds an RMSNorm over each head of q and k before RoPE.
 LayerType = Literal["llama", "qwen3"]
+# peagle drafts every depth in one pass (mask tokens); eagle3 drafts one token per pass, trained with
+# training-time test (peagle_core.model.eagle3). Same body, same checkpoint tensors but `mask_hidden`.
+Method = Literal["peagle", "eagle3"]
+# COD sampling applies to parallel drafting only; EAGLE-3 trains every position at every unrolled step.
+PEAGLE_ONLY_FIELDS = ("down_sample_ratio", "down_sample_ratio_min", "max_anchors")
 
 
 class DrafterSettings(BaseModel):
-    """What a job chooses about the drafter: its depth and the COD sampling (P-EAGLE's parameter table)."""
+    """What a job chooses about the drafter: its method, its depth and the COD sampling (P-EAGLE's
+    parameter table) or the training-time-test steps (EAGLE-3's)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    # First, so that the validators of the fields below see it.
+    method: Method = Field(
+        default="peagle",
+        description="`peagle`: parallel drafting, all K tokens in one pass; `eagle3`: autoregressive drafting, "
+        "one pass per token, trained with training-time test over `ttt_steps` unrolled steps.",
+    )
     num_layers: int = Field(default=4, ge=1, le=64)
     num_depths: int = Field(default=4, ge=1, le=32)
     down_sample_ratio: float = Field(default=0.7, gt=0.0, le=1.0)
@@ -39,6 +51,36 @@ class DrafterSettings(BaseModel):
         default="llama",
         description="Decoder layer family, as vLLM serves it: llama, or qwen3 (q/k RMSNorm per head).",
     )
+    ttt_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=32,
+        description="method eagle3 only: steps the drafter is unrolled over in training, each on its own "
+        "previous output (default: num_depths, the K it drafts).",
+    )
+
+    @field_validator(*PEAGLE_ONLY_FIELDS)
+    @classmethod
+    def _cod_is_peagles(cls, v: Any, info: ValidationInfo) -> Any:
+        # A non-default COD setting under eagle3 would be silently ignored: refuse it, naming the field.
+        default = DrafterSettings.model_fields[info.field_name].default
+        if info.data.get("method") == "eagle3" and v != default:
+            raise ValueError(f"applies to method peagle only (COD sampling), not {info.data['method']}")
+        return v
+
+    @field_validator("ttt_steps")
+    @classmethod
+    def _ttt_is_eagle3s(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("method", "peagle") != "eagle3":
+            raise ValueError("applies to method eagle3 only (training-time test); set model.method: eagle3")
+        return v
+
+    @property
+    def row_depths(self) -> int:
+        """How many depths (P-EAGLE) or unrolled steps (EAGLE-3) a training row may have."""
+        if self.method == "eagle3":
+            return self.ttt_steps or self.num_depths
+        return self.num_depths
 
     def drafter_settings(self) -> dict[str, Any]:
         """Just the `DrafterSettings` fields, for a subclass (the job spec) to hand to `PEagleConfig`."""
@@ -107,7 +149,8 @@ class PEagleConfig(DrafterSettings):
     vocab_size: int = Field(ge=2)
     draft_vocab_size: int = Field(ge=2)
     aux_layer_ids: list[int] = Field(default_factory=list)
-    mask_token_id: int = Field(ge=0)
+    # P-EAGLE's mask token; EAGLE-3 checkpoints have none (vLLM reads it for parallel drafting only).
+    mask_token_id: int = Field(default=0, ge=0)
     verifier_name_or_path: str | None = None
     verifier_architectures: list[str] = Field(default_factory=list)
 

@@ -1,4 +1,5 @@
-"""The P-EAGLE drafter: an EAGLE-3 drafter (Llama or Qwen3 layers) that predicts all parallel depths at once.
+"""The P-EAGLE drafter: an EAGLE-3 drafter (Llama or Qwen3 layers) that predicts all parallel depths at once,
+or, with `method: eagle3`, the same body drafting one token per pass (its forward: peagle_core.model.eagle3).
 
 The math follows vLLM's `llama_eagle3.py` and `qwen3_eagle3.py` (layer 0 attends over [norm(embedding);
 hidden_norm(fc(aux))], fused add+norm residuals) so a checkpoint serves as-is; parameter names are the
@@ -14,6 +15,7 @@ from torch import nn
 
 from peagle_core.model.attention import AttentionLayout, Backend, CachedLayout, parallel_group_attention
 from peagle_core.model.config import PEagleConfig
+from peagle_core.model.eagle3 import unrolled_forward
 from peagle_core.model.layers import MLP, RMSNorm, apply_rotary, rotary_embedding
 from peagle_core.model.speculators import read_checkpoint
 
@@ -116,7 +118,8 @@ class PEagleDraftModel(nn.Module):
         self.layers = nn.ModuleList(PEagleDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
-        self.mask_hidden = nn.Parameter(torch.empty(1, 1, 3 * h))
+        # Parallel drafting's input for depths >= 1; EAGLE-3 has none (and vLLM loads none for it).
+        self.mask_hidden = nn.Parameter(torch.empty(1, 1, 3 * h)) if config.method == "peagle" else None
         # A full draft vocabulary keeps the identity map, which checkpoints leave out (vLLM has no tensor for it).
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long), persistent=vd != v)
         self.register_buffer("t2d", torch.zeros(v, dtype=torch.bool), persistent=vd != v)
@@ -130,7 +133,8 @@ class PEagleDraftModel(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, std=std)
-        nn.init.normal_(self.mask_hidden, std=std)
+        if self.mask_hidden is not None:
+            nn.init.normal_(self.mask_hidden, std=std)
         self.d2t.zero_()  # identity map until the data's vocab map is set
         self.t2d.zero_()
         self.t2d[: self.config.draft_vocab_size] = True
@@ -181,8 +185,13 @@ class PEagleDraftModel(nn.Module):
 
         hidden_states [T, 3H], input_ids/position_ids/document_ids [T]. Depth-0 rows come first and
         cover a contiguous anchor range; they see the real token and hidden state, deeper rows the
-        mask token and `mask_hidden`, at rotary position `position_ids[anchor] + depth`.
+        mask token and `mask_hidden`, at rotary position `position_ids[anchor] + depth`. With method eagle3,
+        depth is the training-time-test step (`peagle_core.model.eagle3.unrolled_forward`).
         """
+        if self.mask_hidden is None:
+            return unrolled_forward(
+                self, hidden_states, input_ids, position_ids, document_ids, anchor_pos, depth
+            )
         layout = AttentionLayout.build(anchor_pos, depth, document_ids, self.config.num_attention_heads)
         start, count = layout.prefix_start, layout.num_prefix
         real = slice(start, start + count)
@@ -218,7 +227,8 @@ class PEagleDraftModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         k: int | None = None,
     ) -> torch.Tensor:
-        """Propose k tokens per sequence in one pass (verifier vocabulary), like vLLM's parallel drafting.
+        """Propose k tokens per sequence in one pass (verifier vocabulary), like vLLM's parallel drafting;
+        with method eagle3, in k passes, each reading the previous draft, like vLLM's EAGLE-3 drafting.
 
         hidden_states [B, T, 3H], input_ids [B, T] aligned; depth 0 sits at each row's last real position,
         depths 1..k-1 are mask positions continuing its positions. Sequences are packed as documents.
@@ -243,7 +253,10 @@ class PEagleDraftModel(nn.Module):
         flat = batch * seq_len
         anchor_pos = torch.cat([torch.arange(flat, device=device), last.repeat(k - 1)])
         depth = torch.cat([idx.new_zeros(flat), torch.arange(1, k, device=device).repeat_interleave(batch)])
-        out = self(hidden_states.reshape(flat, -1), input_ids.flatten(), positions, docs, anchor_pos, depth)
+        inputs = (hidden_states.reshape(flat, -1), input_ids.flatten(), positions, docs, anchor_pos, depth)
+        out = (
+            self(*inputs) if self.mask_hidden is not None else unrolled_forward(self, *inputs, feed="greedy")
+        )
         rows = torch.cat([last, flat + torch.arange((k - 1) * batch, device=device)])
         draft_ids = self.lm_head(out[rows]).argmax(-1).view(k, batch).T
         return self.verifier_ids()[draft_ids]

@@ -1,4 +1,5 @@
-"""The training objective: which rows a step trains (COD sampling, sequence segments) and how they score.
+"""The training objective: which rows a step trains (COD sampling, or every position at every EAGLE-3
+training-time-test step; sequence segments) and how they score.
 
 The drafter only maps rows to hidden states. This module samples the rows of a packed batch, runs the
 drafter on them, and distils the teacher (the verifier's frozen final norm and lm_head rows over the
@@ -19,6 +20,7 @@ from torch import nn
 from peagle_core.model.attention import run_starts
 from peagle_core.model.cod import sample_cod_indices
 from peagle_core.model.config import DrafterSettings
+from peagle_core.model.eagle3 import ttt_rows
 from peagle_core.model.loss import fused_kl_loss
 
 Rows = tuple[torch.Tensor, torch.Tensor]  # (anchor_pos, depth), grouped by depth, anchors ascending
@@ -150,7 +152,10 @@ def loss_positions(batch: Any) -> torch.Tensor:
 
 def sample_rows(settings: DrafterSettings, batch: Any, generator: torch.Generator | None = None) -> Rows:
     """COD rows of one packed batch: every position at depth 0, shrinking random chains deeper, chains
-    stopping at document ends (deterministic for a seeded `generator`; on CPU)."""
+    stopping at document ends (deterministic for a seeded `generator`; on CPU). EAGLE-3: every chain to
+    `ttt_steps` (`peagle_core.model.eagle3.ttt_rows`)."""
+    if settings.method == "eagle3":
+        return ttt_rows(batch.input_ids.shape[1], batch.document_ids[0].cpu(), settings.row_depths)
     return sample_cod_indices(
         batch.input_ids.shape[1],
         loss_positions(batch),
@@ -207,7 +212,7 @@ def distillation_loss(
     if batch.input_ids.shape[0] != 1:
         raise ValueError(f"training batches are packed to batch size 1, got {batch.input_ids.shape[0]}")
     drafter = unwrap(model)
-    num_depths = drafter.config.num_depths
+    num_depths = drafter.config.row_depths
     docs = batch.document_ids[0].to(torch.long)
     loss_mask = loss_positions(batch)
     teacher_rows = teacher(batch.verifier_last_hidden_states[0])
