@@ -266,37 +266,26 @@ def _report_speedup(ckpt: dict[str, Any]) -> None:
 
 
 def _follow_with_progress(client: PeagleClient, job_id: str, timeout_s: float) -> dict[str, Any]:
-    """Show stage/step progress and print warnings until the job ends (or `timeout_s` passes)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """Follow the job under its live progress bar, printing status, stage and warning events, until it ends
+    (or `timeout_s` passes)."""
+    from client.progress_bar import JobProgressBar
 
     deadline = time.monotonic() + timeout_s
-    with Progress(
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[eta]}"),
-        transient=False,
-    ) as bar:
-        task = bar.add_task("queued", total=None, eta="")
 
-        def show(job: dict[str, Any]) -> None:
-            p = job.get("progress") or {}
-            stage = p.get("stage") or job["status"]
-            eta = f"eta {p['eta_s']:.0f}s" if p.get("eta_s") else ""
-            bar.update(task, description=f"{job['status']}: {stage}", total=p.get("total_steps"), eta=eta)
-            if p.get("step") is not None:
-                bar.update(task, completed=p["step"])
-            if time.monotonic() > deadline:
-                raise TimeoutError
+    def in_time(_job: dict[str, Any]) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError
 
-        try:
-            for event in client.follow_events(job_id, on_job=show):
-                if event.get("level") in ("warning", "error") or event.get("type") in ("status", "stage"):
-                    bar.console.print(f"  {event.get('type')}: {event.get('message')}")
-        except TimeoutError:
-            fail(f"job {job_id} did not finish within {timeout_s:.0f}s; it keeps running on the server")
-    return client.get_job(job_id)
+    def shown(event: dict[str, Any]) -> str | None:
+        if event.get("level") in ("warning", "error") or event.get("type") in ("status", "stage"):
+            return f"  {event.get('type')}: {event.get('message')}"
+        return None
+
+    try:
+        with JobProgressBar() as bar:
+            return bar.follow(client, job_id, show=shown, on_job=in_time)
+    except TimeoutError:
+        fail(f"job {job_id} did not finish within {timeout_s:.0f}s; it keeps running on the server")
 
 
 @contextlib.contextmanager

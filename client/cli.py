@@ -173,7 +173,10 @@ def jobs_get(job_id: JobId, url: UrlOpt = None, key: KeyOpt = None) -> None:
 @jobs_app.command("logs")
 def jobs_logs(
     job_id: JobId,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job ends.")] = False,
+    follow: Annotated[
+        bool,
+        typer.Option("--follow", "-f", help="Keep printing until the job ends, under a live progress bar."),
+    ] = False,
     url: UrlOpt = None,
     key: KeyOpt = None,
 ) -> None:
@@ -194,9 +197,10 @@ def jobs_logs(
 
 
 def _follow(client: PeagleClient, job_id: str) -> None:
-    for event in client.follow_events(job_id):
-        typer.echo(format_event(event))
-    job = client.get_job(job_id)
+    from client.progress_bar import JobProgressBar
+
+    with JobProgressBar() as bar:
+        job = bar.follow(client, job_id, show=format_event)
     typer.echo(f"{job_id}: {job['status']}")
     if (recommendation := ServingRecommendation.of(job.get("progress"))) is not None:
         typer.echo(f"measured in vLLM: {recommendation.sentence()}")

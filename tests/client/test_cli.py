@@ -6,6 +6,7 @@ verify every file's sha256.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -285,3 +286,86 @@ def test_download_refuses_bytes_that_do_not_match_the_published_sha256(
     assert code == 1
     assert "model.safetensors" in one_error_line(err) and "sha256" in err
     assert not (out / "model.safetensors").exists()
+
+
+# -- live progress -------------------------------------------------------------------------------
+
+
+def test_progress_bar_follows_a_job_through_the_api(
+    peagle, server_url: str, api_key: str, dataset_file: Path, settings: Any, tmp_path: Path
+) -> None:
+    """The worker's own reporter writes a job's progress stage by stage; the bar, polling the API with no
+    terminal, prints plain lines with the stage, step/total, tokens/s, loss and ETA, and the speed-up timing's
+    rounds with their count; `peagle jobs logs -f` prints the same bar under the events, and on a terminal
+    the bar is drawn instead."""
+    from rich.console import Console
+
+    from client.progress_bar import JobProgressBar
+    from peagle_core.events import Event
+    from service.crud import jobstate
+    from service.db.session import session_factory
+    from worker.attempt import AttemptContext
+    from worker.job_io import JobReporter
+    from worker.progress import ProgressWriter
+
+    _, out, _ = peagle("datasets", "upload", str(dataset_file))
+    _, out, _ = peagle("jobs", "submit", str(write_spec(tmp_path / "job.yaml", settings, out.strip())))
+    job_id = out.strip()
+    sessions = session_factory(settings.database_url)
+    with sessions() as session:
+        assert jobstate.claim(session, job_id, "w1")
+    writer = ProgressWriter(AttemptContext(sessions, job_id, 1))  # not started: flush() writes right here
+    reporter = JobReporter(writer, on_stage=writer.set_stage)
+    step = {"step": 3, "total_steps": 8, "loss": 2.5, "tokens_per_s": 1234.0, "eta_s": 75.0, "lr": 1e-3}
+
+    def succeed() -> None:
+        with sessions() as session:
+            assert jobstate.transition(session, job_id, "succeeded", expect=("running",), fence=1)
+
+    # One stage per poll of the bar, so that it sees each of them.
+    script = [
+        lambda: reporter.on_event(Event("prepare", "preparing data")),
+        lambda: reporter.on_event(Event("train", "training", {"total_steps": 8})),
+        lambda: reporter.on_metrics(step),
+        lambda: reporter.on_event(Event("export", "exporting the drafter")),
+        lambda: reporter.on_event(Event.log("serving", "timing drafter K=2 round 1/3", done=0, total=12)),
+        lambda: reporter.on_event(Event.log("serving", "timing drafter K=2 round 2/3", done=1, total=12)),
+        succeed,
+    ]
+
+    def next_stage(_job: dict[str, Any]) -> None:
+        if script:
+            script.pop(0)()
+            writer.flush()
+
+    plain = Console(file=io.StringIO(), width=200)
+    with PeagleClient(server_url, api_key) as client, JobProgressBar(plain, every_s=0) as bar:
+        assert not bar.live  # a file is no terminal
+        job = bar.follow(client, job_id, show=lambda _: None, on_job=next_stage, poll_s=0.01)
+    assert job["status"] == "succeeded" and not script
+    lines = plain.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert any(line.endswith("] prepare: preparing data") for line in lines), lines
+    assert any(line.endswith("] train  0/8 steps (0%)") for line in lines), (
+        lines
+    )  # announced, not yet stepped
+    assert any(
+        line.endswith("] train  3/8 steps (38%) | 1,234 tok/s | loss 2.5000 | eta 1m15s") for line in lines
+    ), lines
+    assert any(line.endswith("] export: timing drafter K=2 round 1/3  0/12 (0%)") for line in lines), lines
+    # The second round has a pace, hence an ETA.
+    assert any("] export: timing drafter K=2 round 2/3  1/12 (8%) | eta " in line for line in lines), lines
+    assert lines[-1].endswith("] succeeded  3/8 steps (38%) | loss 2.5000"), lines
+    assert "\x1b" not in plain.file.getvalue()  # type: ignore[attr-defined]  # plain lines, no redrawing
+
+    code, out, err = peagle("jobs", "logs", job_id, "--follow")
+    assert code == 0, err
+    assert "timing drafter K=2 round 2/3" in out  # the event itself
+    assert "] succeeded  3/8 steps (38%) | loss 2.5000" in out  # the bar's last line
+    assert out.rstrip().endswith(f"{job_id}: succeeded")
+
+    drawn = Console(file=io.StringIO(), width=160, force_terminal=True, color_system=None)
+    with PeagleClient(server_url, api_key) as client, JobProgressBar(drawn) as bar:
+        assert bar.live
+        bar.job(client.get_job(job_id))
+    screen = drawn.file.getvalue()  # type: ignore[attr-defined]
+    assert "succeeded" in screen and "3/8 steps (38%) | loss 2.5000" in screen and "━" in screen
