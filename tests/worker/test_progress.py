@@ -86,12 +86,13 @@ def test_writes_happen_off_the_training_thread_in_few_transactions(job) -> None:
     assert 1 <= writer.flushes <= 3
     steps, progress = stored(sessions, job_id)
     assert steps == [*range(1, 101), 100]
-    # The best acceptance length so far rides along, for job lists.
+    # The best acceptance length so far rides along, for job lists; the last step's loss, for progress bars.
     assert progress == {
         "stage": "train",
         "step": 100,
         "total_steps": 100,
         "eta_s": 0.0,
+        "loss": 0.01,
         "acceptance_length": 1.5,
     }
     with sessions() as s:
