@@ -8,9 +8,11 @@ spec-decode counters are read before and after each batch, so every `VllmRun` co
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from peagle_core.errors import PeagleError
@@ -289,11 +291,14 @@ def _build_engine(config: EngineConfig) -> Any:
     if config.method == "ngram":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": config.k, **NGRAM_LOOKUP}
     elif config.drafter is not None:
+        # A P-EAGLE checkpoint drafts in parallel; speculators' eagle3 type (model.method eagle3) does not.
+        cfg = Path(config.drafter) / "config.json"
+        eagle3 = cfg.is_file() and json.loads(cfg.read_text()).get("speculators_model_type") == "eagle3"
         kwargs["speculative_config"] = {
             "model": config.drafter,
             "method": "eagle3",
             "num_speculative_tokens": config.k,
-            "parallel_drafting": True,
+            **({} if eagle3 else {"parallel_drafting": True}),
         }
     return new_llm(
         config,

@@ -1,4 +1,5 @@
-"""Incremental parallel drafting: the drafter's depth-0 K/V cached across speculative steps.
+"""Incremental parallel drafting: the drafter's depth-0 K/V cached across speculative steps (`extend` also
+starts each EAGLE-3 drafting round, peagle_core.evaluation.autoregressive).
 
 A depth-0 row (hidden state of token t beside the id of token t+1) only ever sees earlier depth-0 rows,
 and it exists only once both tokens are accepted, so its keys and values never change: each step
@@ -94,6 +95,22 @@ def draft_step(
     hidden_states [B, R, 3H] and input_ids [B, R] are those rows, aligned and left-padded (`real` [B, R]
     marks them; every sequence has at least one). Updates `cache` in place.
     """
+    out, _ = extend(drafter, cache, hidden_states, input_ids, real, k)
+    draft_ids = drafter.lm_head(out[:, input_ids.shape[1] - 1 :]).argmax(-1)
+    return drafter.verifier_ids()[draft_ids]
+
+
+def extend(
+    drafter: PEagleDraftModel,
+    cache: DraftCache,
+    hidden_states: torch.Tensor,
+    input_ids: torch.Tensor,
+    real: torch.Tensor,
+    k: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the newly accepted depth-0 rows (and, for k > 1, the K-1 mask rows after each sequence's last)
+    over the cache, add the depth-0 rows' K/V to it, and return the rows' final-normed and pre-norm hidden
+    states, [B, R + k - 1, H] each (left-padded as the input)."""
     cfg = drafter.config
     batch, num_new = input_ids.shape
     device = input_ids.device
@@ -105,10 +122,13 @@ def draft_step(
     last = cache.lengths + counts - 1
     positions = torch.cat([positions, last[:, None] + torch.arange(1, k, device=device)], dim=1)
 
-    mask_ids = input_ids.new_full((batch, k - 1), cfg.mask_token_id)
-    embeds = drafter.embed_tokens(torch.cat([input_ids, mask_ids], dim=1)).flatten(0, 1)
-    mask_hidden = drafter.mask_hidden.to(hidden_states.dtype).expand(batch, k - 1, -1)
-    hidden = drafter.fc(torch.cat([hidden_states, mask_hidden], dim=1)).flatten(0, 1)
+    ids, hidden = input_ids, hidden_states
+    if k > 1:  # P-EAGLE's mask rows (an EAGLE-3 drafter, which has no mask_hidden, extends with k = 1)
+        mask_ids = input_ids.new_full((batch, k - 1), cfg.mask_token_id)
+        mask_hidden = drafter.mask_hidden.to(hidden_states.dtype).expand(batch, k - 1, -1)
+        ids, hidden = torch.cat([input_ids, mask_ids], dim=1), torch.cat([hidden_states, mask_hidden], dim=1)
+    embeds = drafter.embed_tokens(ids).flatten(0, 1)
+    hidden = drafter.fc(hidden).flatten(0, 1)
     cos, sin = drafter.rotary_emb(hidden, positions.view(1, -1))
     cos, sin = cos[0], sin[0]
 
@@ -117,8 +137,8 @@ def draft_step(
     hidden, residual = drafter.layers[0](hidden, None, cos, sin, steps[0], "auto", embeds=embeds)
     for layer, step in zip(drafter.layers[1:], steps[1:], strict=True):
         hidden, residual = layer(hidden, residual, cos, sin, step, "auto")
-    out = drafter.norm(hidden + residual).view(batch, num_new + k - 1, -1)[:, num_new - 1 :]
-    draft_ids = drafter.lm_head(out).argmax(-1)
+    prenorm = hidden + residual
+    out = drafter.norm(prenorm)
 
     for i, step in enumerate(steps):
         new_k, new_v = step.new_kv  # type: ignore[misc]
@@ -127,4 +147,4 @@ def draft_step(
         cache.values[i] = new_v if old_v is None else torch.cat([old_v, new_v], dim=2)
     cache.mask = torch.cat([cache.mask, real], dim=1)
     cache.lengths = cache.lengths + counts
-    return drafter.verifier_ids()[draft_ids]
+    return out.view(batch, num_new + k - 1, -1), prenorm.view(batch, num_new + k - 1, -1)

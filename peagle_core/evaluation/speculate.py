@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from peagle_core.evaluation.autoregressive import eagle3_draft_step
 from peagle_core.evaluation.draft_cache import DraftCache, draft_step
 
 if TYPE_CHECKING:
@@ -138,9 +139,8 @@ def _draft(drafter: PEagleDraftModel, dcache: DraftCache | None, rows: list[_Row
         for r, a in zip(rows, new_aux, strict=True)
     ]
     draft_ids, _ = _left_pad(fresh)
-    drafts = draft_step(
-        drafter, dcache, hidden.to(device=ddev, dtype=ddtype), draft_ids.to(ddev), real.to(ddev), k
-    )
+    step = eagle3_draft_step if drafter.mask_hidden is None else draft_step  # one pass per token, or all
+    drafts = step(drafter, dcache, hidden.to(device=ddev, dtype=ddtype), draft_ids.to(ddev), real.to(ddev), k)
     for r in rows:
         r.fed = len(r.aux)
     return drafts

@@ -1,4 +1,5 @@
-"""The speculators checkpoint format on disk: file names, config.json <-> `PEagleConfig`, the tensor list.
+"""The speculators checkpoint format on disk: file names, config.json <-> `PEagleConfig`, the tensor list,
+for both methods: speculators' `peagle` type, and its `eagle3` type (no mask token, no `mask_hidden`).
 
 `CONFIG_FIELDS` maps every `PEagleConfig` field to its place in config.json; writing (`config_json`)
 and reading (`read_config_fields`, `read_checkpoint`) both go through it. Reading also accepts what
@@ -22,13 +23,15 @@ from safetensors.torch import save_file
 
 from peagle_core.errors import CheckpointError
 from peagle_core.io import atomic_dir
-from peagle_core.model.config import PEagleConfig, text_rope_parameters
+from peagle_core.model.config import PEAGLE_ONLY_FIELDS, Method, PEagleConfig, text_rope_parameters
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 SPECULATORS_VERSION = "0.3.0"
 ARCHITECTURE = "PEagleDraftModel"
+# `model.method` -> config.json's speculators_model_type (= speculators_config.algorithm) and architectures.
+ARCHITECTURES: dict[str, str] = {"peagle": ARCHITECTURE, "eagle3": "Eagle3Speculator"}
 LAYER = "transformer_layer_config"
 # transformer_layer_config.model_type -> the HF architecture of that layer family (`PEagleConfig.layer_type`).
 LAYER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -47,6 +50,8 @@ class ConfigField:
 
 
 CONFIG_FIELDS: dict[str, ConfigField] = {
+    # `model.method` is speculators' model type: vLLM picks the drafter's runtime by it.
+    "method": ConfigField(("speculators_model_type",), required=False),
     "hidden_size": ConfigField((LAYER, "hidden_size")),
     "num_attention_heads": ConfigField((LAYER, "num_attention_heads")),
     "num_key_value_heads": ConfigField((LAYER, "num_key_value_heads")),
@@ -68,16 +73,45 @@ CONFIG_FIELDS: dict[str, ConfigField] = {
     "down_sample_ratio": ConfigField(("down_sample_ratio",), required=False),
     "down_sample_ratio_min": ConfigField(("down_sample_ratio_min",), required=False),
     "max_anchors": ConfigField(("max_anchors",), required=False),
+    "ttt_steps": ConfigField(("ttt_steps",), required=False),
     "verifier_name_or_path": ConfigField(("speculators_config", "verifier", "name_or_path")),
     "verifier_architectures": ConfigField(("speculators_config", "verifier", "architectures")),
 }
 
 
-def _fixed_fields(speculative_tokens: int) -> dict[str, Any]:
-    """The parts of config.json that are the same for every P-EAGLE drafter we write."""
+# Fields only one method's config.json holds: vLLM reads the mask token for parallel drafting only.
+METHOD_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
+    "peagle": ("mask_token_id", *PEAGLE_ONLY_FIELDS),
+    "eagle3": ("ttt_steps",),
+}
+
+
+def method_fields(method: str) -> dict[str, ConfigField]:
+    """The `CONFIG_FIELDS` a config.json of `method` holds."""
+    others = {f for m, fields in METHOD_ONLY_FIELDS.items() if m != method for f in fields}
+    return {name: where for name, where in CONFIG_FIELDS.items() if name not in others}
+
+
+def method_of(cfg: Mapping[str, Any]) -> Method:
+    """The method a config.json describes: `eagle3` for speculators' eagle3 type, else `peagle`."""
+    return "eagle3" if cfg.get("speculators_model_type") == "eagle3" else "peagle"
+
+
+def checkpoint_method(path: str | Path) -> Method:
+    """The method of the checkpoint directory `path` (`peagle` when its config.json is missing or unreadable:
+    the validator reports those)."""
+    try:
+        cfg = json.loads((Path(path) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return "peagle"
+    return method_of(cfg) if isinstance(cfg, dict) else "peagle"
+
+
+def _fixed_fields(speculative_tokens: int, method: Method) -> dict[str, Any]:
+    """The parts of config.json that are the same for every drafter of `method` we write."""
     return {
-        "speculators_model_type": "peagle",
-        "architectures": [ARCHITECTURE],
+        "speculators_model_type": method,
+        "architectures": [ARCHITECTURES[method]],
         LAYER: {
             "hidden_act": "silu",
             "attention_bias": False,
@@ -85,7 +119,7 @@ def _fixed_fields(speculative_tokens: int) -> dict[str, Any]:
             "tie_word_embeddings": False,
         },
         "speculators_config": {
-            "algorithm": "peagle",
+            "algorithm": method,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {},
@@ -96,16 +130,17 @@ def _fixed_fields(speculative_tokens: int) -> dict[str, Any]:
 
 def config_json(config: PEagleConfig, *, speculative_tokens: int | None = None) -> dict[str, Any]:
     """The config.json of a drafter; `speculative_tokens` (K) defaults to its num_depths."""
-    out = _fixed_fields(int(speculative_tokens or config.num_depths))
-    for field, where in CONFIG_FIELDS.items():
+    out = _fixed_fields(int(speculative_tokens or config.num_depths), config.method)
+    for field, where in method_fields(config.method).items():
         *parents, key = where.path
         node = out
         for p in parents:
             node = node.setdefault(p, {})
         node[key] = getattr(config, field)
     out[LAYER]["architectures"] = [LAYER_ARCHITECTURES[config.layer_type]]
-    # vLLM's parallel-drafting runtime reads `pard_token` when the config skips the speculators conversion.
-    out["pard_token"] = config.mask_token_id
+    if config.method == "peagle":
+        # vLLM's parallel-drafting runtime reads `pard_token` when the config skips the speculators conversion.
+        out["pard_token"] = config.mask_token_id
     out["speculators_config"]["verifier"]["name_or_path"] = config.verifier_name_or_path or ""
     return out
 
@@ -113,11 +148,12 @@ def config_json(config: PEagleConfig, *, speculative_tokens: int | None = None) 
 def read_config_fields(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], list[ConfigField]]:
     """The `PEagleConfig` fields config.json holds, and the required ones it lacks.
 
-    `num_depths` falls back to the speculative token count, as in checkpoints speculators itself saved.
+    `num_depths` falls back to the speculative token count, as in checkpoints speculators itself saved;
+    `method` is read from speculators_model_type.
     """
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"method": method_of(cfg)}
     missing: list[ConfigField] = []
-    for field, where in CONFIG_FIELDS.items():
+    for field, where in method_fields(values["method"]).items():
         node = _lookup(cfg, where.path)
         if node is not _ABSENT:
             values[field] = node
@@ -216,8 +252,9 @@ def expected_tensors(shape: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...
         "norm.weight": ((h,), "float"),
         "lm_head.weight": ((vd, h), "float"),
         "embed_tokens.weight": ((v, h), "float"),
-        "mask_hidden": ((1, 1, 3 * h), "float"),
     }
+    if shape.get("method", "peagle") == "peagle":  # parallel drafting's hidden input for depths >= 1
+        out["mask_hidden"] = ((1, 1, 3 * h), "float")
     if vd != v:  # with the full vocabulary the map is the identity, and vLLM has no parameter for it
         out["d2t"] = ((vd,), "int64")
         out["t2d"] = ((v,), "bool")

@@ -42,16 +42,24 @@ def model_card(
     """A README that says what this drafter was trained against, whether vLLM served it, and how (at the
     recommended K when vLLM's speed-up was measured, else at `k`)."""
     recommendation = ServingRecommendation.of(serving.to_dict()) if serving is not None else None
+    method = model_config.method
+    if method == "eagle3":
+        title, what = "EAGLE-3", "An EAGLE-3 (autoregressive drafting, trained with training-time test)"
+        depth = f"training-time-test steps: {model_config.row_depths}"
+    else:
+        title, what = "P-EAGLE", "A P-EAGLE (parallel-drafting EAGLE-3)"
+        depth = f"parallel depths: {model_config.num_depths}"
     lines = [
-        "# P-EAGLE drafter",
+        f"# {title} drafter",
         "",
-        f"A P-EAGLE (parallel-drafting EAGLE-3) speculative decoding drafter for `{verifier}`.",
+        f"{what} speculative decoding drafter for `{verifier}`.",
         "",
         "## Training",
         "",
         f"- verifier: `{verifier}`",
+        f"- method: `{method}`",
         f"- training data fingerprint: `{data_fingerprint or 'unknown'}`",
-        f"- draft layers: {model_config.num_layers}, parallel depths: {model_config.num_depths}",
+        f"- draft layers: {model_config.num_layers}, {depth}",
         f"- draft vocabulary: {model_config.draft_vocab_size} of {model_config.vocab_size} tokens",
         f"- verifier layers feeding the drafter: {list(model_config.aux_layer_ids)}",
         "",
@@ -68,7 +76,9 @@ def model_card(
         "## Serve with vLLM (0.28 or later)",
         "",
         "```bash",
-        serve_command(verifier, checkpoint_dir, recommendation.serve_k(k) if recommendation else k),
+        serve_command(
+            verifier, checkpoint_dir, recommendation.serve_k(k) if recommendation else k, method=method
+        ),
         "```",
         "",
     ]

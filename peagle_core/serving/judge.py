@@ -173,6 +173,8 @@ class VllmJudge:
             **self.options,
         )
         if measure_speedup:
+            from peagle_core.model.speculators import checkpoint_method
+
             rows = self.measure_speedup(
                 checkpoint_dir, speedup_ks or [k], batch_sizes=speedup_batch_sizes, rounds=speedup_rounds,
                 on_step=on_step,
@@ -182,7 +184,7 @@ class VllmJudge:
             check.speedup = next(
                 (r for r in rows if (r["method"], r["k"], r["batch_size"]) == (DRAFTER, k, smallest)), None
             )
-            recommendation = ServingRecommendation.choose(rows)
+            recommendation = ServingRecommendation.choose(rows, checkpoint_method(checkpoint_dir))
             check.recommendation = recommendation.to_dict() if recommendation is not None else None
         return check
 

@@ -1,6 +1,6 @@
-"""How to serve a drafter, from vLLM's measured speed-ups: the K to serve it with and what it buys at each
-batch size measured, beside vLLM's training-free `ngram` speculator on the same prompts (no torch: the
-dashboard and the CLI render it too).
+"""How to serve a drafter, from vLLM's measured speed-ups: its method (P-EAGLE or EAGLE-3), the K to serve it
+with and what it buys at each batch size measured, beside vLLM's training-free `ngram` speculator on the
+same prompts (no torch: the dashboard and the CLI render it too).
 
 The rows are `serving.speedup.paired_speedups`' results with their `method` (`eagle3` for the drafter,
 `ngram`). The K served is the best one at the smallest batch size where some K beats plain decoding
@@ -14,7 +14,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-DRAFTER, NGRAM = "eagle3", "ngram"  # the `method` of a speed-up row
+DRAFTER, NGRAM = "eagle3", "ngram"  # the `method` of a speed-up row (vLLM's speculator, for both of ours)
+# `model.method` -> how people name it.
+METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3"}
+
+
+def method_name(method: str) -> str:
+    return METHOD_NAMES.get(method, method)
 
 
 @dataclass(frozen=True)
@@ -33,14 +39,18 @@ class BatchFigures:
 @dataclass(frozen=True)
 class ServingRecommendation:
     """The K to serve the drafter with (None: no K beat plain decoding) and the figures behind it, one
-    entry per batch size, smallest first."""
+    entry per batch size, smallest first; `method` is the drafter's (`model.method`), which the
+    `vllm serve` command depends on (parallel drafting or not)."""
 
     k: int | None
     batches: tuple[BatchFigures, ...]
+    method: str = "peagle"
 
     @classmethod
-    def choose(cls, rows: Iterable[Mapping[str, Any]]) -> ServingRecommendation | None:
-        """The recommendation from speed-up rows (None when no row has a speed-up)."""
+    def choose(
+        cls, rows: Iterable[Mapping[str, Any]], method: str = "peagle"
+    ) -> ServingRecommendation | None:
+        """The recommendation for a drafter of `method` from speed-up rows (None when no row has a speed-up)."""
         measured = [r for r in rows if isinstance(r.get("speedup"), int | float)]
         if not measured:
             return None
@@ -71,15 +81,16 @@ class ServingRecommendation:
                     speedup=float(at_k[0]) if at_k else None,
                 )
             )
-        return cls(k=k, batches=tuple(batches))
+        return cls(k=k, batches=tuple(batches), method=method)
 
     def serve_k(self, default: int) -> int:
         """The K the `vllm serve` command should carry: the recommended one, else `default`."""
         return self.k if self.k is not None else default
 
     def sentence(self) -> str:
-        """One line for people, e.g. "serve with num_speculative_tokens=2: 1.42× at batch 1, 1.10× at
-        batch 8 (ngram 1.19× / 1.05×)"."""
+        """One line for people, e.g. "serve the P-EAGLE drafter with num_speculative_tokens=2: 1.42× at
+        batch 1, 1.10× at batch 8 (ngram 1.19× / 1.05×)"."""
+        name = method_name(self.method)
         ngram = [b.ngram_speedup for b in self.batches if b.ngram_speedup is not None]
         ngram_part = "ngram " + " / ".join(f"{s:.2f}×" for s in ngram) if ngram else "ngram not measured"
         if self.k is None:
@@ -89,7 +100,7 @@ class ServingRecommendation:
                 if b.best_speedup is not None
             )
             return (
-                f"no num_speculative_tokens beat plain decoding with this drafter ({best}): serve without "
+                f"no num_speculative_tokens beat plain decoding with this {name} drafter ({best}): serve without "
                 f"it ({ngram_part})"
             )
         figures = ", ".join(
@@ -106,16 +117,24 @@ class ServingRecommendation:
             for b in self.batches
             if b.speedup is not None and b.ngram_speedup is not None and b.ngram_speedup > b.speedup
         )
-        return f"serve with num_speculative_tokens={self.k}: {figures} ({ngram_part}){others}"
+        return (
+            f"serve the {name} drafter with num_speculative_tokens={self.k}: {figures} ({ngram_part}){others}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, with the sentence for readers of the raw JSON (`from_dict` ignores it)."""
-        return {"k": self.k, "batches": [asdict(b) for b in self.batches], "sentence": self.sentence()}
+        return {
+            "method": self.method,
+            "k": self.k,
+            "batches": [asdict(b) for b in self.batches],
+            "sentence": self.sentence(),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ServingRecommendation:
         known = set(BatchFigures.__dataclass_fields__)
         return cls(
+            method=str(d.get("method") or "peagle"),  # recorded before EAGLE-3: P-EAGLE's
             k=d.get("k"),
             batches=tuple(BatchFigures(**{f: v for f, v in b.items() if f in known}) for b in d["batches"]),
         )

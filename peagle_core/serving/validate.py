@@ -17,13 +17,14 @@ from safetensors import safe_open
 
 from peagle_core.model.config import multimodal_rope_settings
 from peagle_core.model.speculators import (
-    ARCHITECTURE,
-    CONFIG_FIELDS,
+    ARCHITECTURES,
     CONFIG_NAME,
     LAYER,
     LAYER_ARCHITECTURES,
     WEIGHTS_NAME,
     expected_tensors,
+    method_fields,
+    method_of,
     read_config_fields,
 )
 
@@ -39,9 +40,13 @@ _FIXED_FIELDS = (
     "speculators_config",
     "speculators_version",
 )
-_REQUIRED = [f.path for f in CONFIG_FIELDS.values() if f.required]
-REQUIRED_FIELDS = (*_FIXED_FIELDS, *(path[0] for path in _REQUIRED if len(path) == 1))
-REQUIRED_LAYER_FIELDS = ("model_type", *(path[1] for path in _REQUIRED if path[0] == LAYER))
+
+
+def required_fields(method: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The top-level and `transformer_layer_config` fields a config.json of `method` must hold."""
+    paths = [f.path for f in method_fields(method).values() if f.required]
+    top = (*_FIXED_FIELDS, *(path[0] for path in paths if len(path) == 1))
+    return top, ("model_type", *(path[1] for path in paths if path[0] == LAYER))
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -51,20 +56,21 @@ def _get(obj: Any, key: str) -> Any:
 def _check_config(cfg: Any) -> list[str]:
     if not isinstance(cfg, dict):
         return ["config.json: must be a JSON object"]
-    problems = [f"config.json: missing required field {f!r}" for f in REQUIRED_FIELDS if f not in cfg]
-    if cfg.get("speculators_model_type", "peagle") != "peagle":
+    method = method_of(cfg)
+    required, required_layer = required_fields(method)
+    problems = [f"config.json: missing required field {f!r}" for f in required if f not in cfg]
+    if cfg.get("speculators_model_type", "peagle") not in ARCHITECTURES:
+        problems.append(f"config.json: speculators_model_type is {cfg['speculators_model_type']!r}, expected one "
+                        f"of {sorted(ARCHITECTURES)}")  # fmt: skip
+    if "architectures" in cfg and cfg["architectures"] != [ARCHITECTURES[method]]:
         problems.append(
-            f"config.json: speculators_model_type is {cfg['speculators_model_type']!r}, expected 'peagle'"
-        )
-    if "architectures" in cfg and cfg["architectures"] != [ARCHITECTURE]:
-        problems.append(
-            f"config.json: architectures is {cfg['architectures']!r}, expected [{ARCHITECTURE!r}]"
+            f"config.json: architectures is {cfg['architectures']!r}, expected [{ARCHITECTURES[method]!r}]"
         )
     layer = cfg.get(LAYER)
     if LAYER in cfg and not isinstance(layer, dict):
         problems.append(f"config.json: {LAYER} must be an object")
     elif isinstance(layer, dict):
-        problems += _check_layer(layer)
+        problems += _check_layer(layer, required_layer)
     vocab = layer.get("vocab_size") if isinstance(layer, dict) else None
     problems += _check_vocab_and_mask(cfg, vocab)
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
@@ -78,16 +84,16 @@ def _check_config(cfg: Any) -> list[str]:
     if "norm_before_residual" in cfg and not isinstance(cfg["norm_before_residual"], bool):
         problems.append("config.json: norm_before_residual must be true or false")
     if "speculators_config" in cfg:
-        problems += _check_speculators_config(cfg["speculators_config"])
+        problems += _check_speculators_config(cfg["speculators_config"], method)
     return problems
 
 
-def _check_layer(layer: dict) -> list[str]:
+def _check_layer(layer: dict, required: tuple[str, ...]) -> list[str]:
     where = f"config.json: {LAYER}"
-    problems = [f"{where} is missing {f!r}" for f in REQUIRED_LAYER_FIELDS if f not in layer]
+    problems = [f"{where} is missing {f!r}" for f in required if f not in layer]
     if layer.get("model_type", "llama") not in LAYER_ARCHITECTURES:
         problems.append(f"{where}.model_type is {layer['model_type']!r}, expected one of "
-                        f"{sorted(LAYER_ARCHITECTURES)} (the layer families vLLM serves a P-EAGLE drafter in)")  # fmt: skip
+                        f"{sorted(LAYER_ARCHITECTURES)} (the layer families vLLM serves our drafters in)")  # fmt: skip
     for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "num_hidden_layers", "vocab_size"):  # fmt: skip
         if f in layer and not (isinstance(layer[f], int) and layer[f] > 0):
@@ -127,13 +133,13 @@ def _check_vocab_and_mask(cfg: dict, vocab: Any) -> list[str]:
     return problems
 
 
-def _check_speculators_config(sc: Any) -> list[str]:
+def _check_speculators_config(sc: Any, method: str = "peagle") -> list[str]:
     where = "config.json: speculators_config"
     if not isinstance(sc, dict):
         return [f"{where} must be an object"]
     problems = []
-    if sc.get("algorithm") != "peagle":
-        problems.append(f"{where}.algorithm is {sc.get('algorithm')!r}, expected 'peagle'")
+    if sc.get("algorithm") != method:
+        problems.append(f"{where}.algorithm is {sc.get('algorithm')!r}, expected {method!r}")
     methods = sc.get("proposal_methods")
     if not isinstance(methods, list) or not methods or not isinstance(methods[0], dict):
         problems.append(f"{where}.proposal_methods must be a non-empty list")
@@ -232,6 +238,9 @@ def _check_tensors(cfg: dict, weights: Path) -> list[str]:
 
 
 def _unexpected(name: str, fields: Mapping[str, Any]) -> str:
+    if name == "mask_hidden" and fields.get("method") == "eagle3":
+        return (f"{WEIGHTS_NAME}: tensor 'mask_hidden' must not be present: an EAGLE-3 drafter drafts without "
+                "mask positions (vLLM skips it, and it would not be what was trained)")  # fmt: skip
     if name in ("d2t", "t2d"):
         return (f"{WEIGHTS_NAME}: tensor {name!r} must not be present: the draft vocabulary is the full "
                 f"vocabulary ({fields['vocab_size']}), for which vLLM has no vocabulary map and refuses one")  # fmt: skip
@@ -259,7 +268,7 @@ def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, fields: Mapping[str, 
 
 
 def validate_checkpoint(path: str | Path, verifier_config: Any = None) -> list[str]:
-    """Every reason `path` is not a P-EAGLE checkpoint vLLM loads (empty list when it is).
+    """Every reason `path` is not a P-EAGLE or EAGLE-3 checkpoint vLLM loads (empty list when it is).
 
     `verifier_config` (an HF config or dict) additionally checks hidden size, vocabulary, layer ids and
     architectures against the verifier the drafter will be served with.

@@ -161,3 +161,35 @@ def test_hidden_states_engine_and_vllm_parallelism() -> None:
     with pytest.raises(SpecError, match=r"\(8\) exceeds gpus \(4\)"):
         parse_spec({**BASE, "hidden_states": {"engine": "vllm"},
                     "resources": {"gpus": 4, "tensor_parallel_size": 4, "data_parallel_size": 2}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "param", "says"),
+    [
+        ({"ttt_steps": 3}, "model.ttt_steps", "applies to method eagle3 only"),
+        ({"method": "eagle3", "ttt_steps": 0}, "model.ttt_steps", "greater than or equal to 1"),
+        ({"method": "eagle3", "ttt_steps": 33}, "model.ttt_steps", "less than or equal to 32"),
+        ({"method": "eagle3", "down_sample_ratio": 0.5}, "model.down_sample_ratio", "method peagle only"),
+        ({"method": "eagle3", "max_anchors": 64}, "model.max_anchors", "method peagle only"),
+        ({"method": "medusa"}, "model.method", "'peagle' or 'eagle3'"),
+    ],
+)
+def test_method_fields_belong_to_their_method(model: dict, param: str, says: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({**BASE, "model": model})
+    assert [p for p, _ in info.value.errors] == [param]
+    assert says in str(info.value)
+
+
+def test_eagle3_defaults_and_round_trip() -> None:
+    assert parse_spec(BASE).model.method == "peagle"
+    spec = parse_spec({**BASE, "model": {"method": "eagle3", "num_depths": 3}})
+    assert (spec.model.ttt_steps, spec.model.row_depths) == (None, 3)  # unrolled as far as it drafts
+    # The resolved spec (COD defaults included) validates again, as the worker re-reads it.
+    assert parse_spec(spec.model_dump(mode="json")) == spec
+    more = parse_spec({**BASE, "model": {"method": "eagle3", "ttt_steps": 5}})
+    assert more.model.row_depths == 5
+    with pytest.raises(SpecError, match=r"give 5 weights \(model.ttt_steps\)"):
+        parse_spec(
+            {**BASE, "model": {"method": "eagle3", "ttt_steps": 5}, "training": {"depth_weights": [1, 1]}}
+        )
