@@ -134,7 +134,7 @@ def demo(
     work = data_dir / "demo"
     work.mkdir(parents=True, exist_ok=True)
 
-    eval_prompts: list[str] = []
+    eval_prompts: list[dict[str, str]] = []  # the recipe's MT-Bench first turns (cli/demo_real.py)
     if model is None:
         typer.echo(f"[1/5] toy verifier ({size}) and chat data…", err=True)
         verifier_path, data_path = _toy_inputs(size, work)

@@ -1,4 +1,5 @@
-"""The library's own commands (`peagle toy|models|data|cache|train|eval|export`), usable without the service.
+"""The library's own commands (`peagle toy|models|data|cache|train|eval|export|recipes`), usable without the
+service.
 
 Each command group lives in its own module and imports torch only inside its commands, so
 `peagle --help` stays fast. `service.cli` mounts these groups under the full `peagle` CLI.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from peagle_core.cli import cache, catalogue, data, export, toy, train
+from peagle_core.cli import cache, catalogue, data, export, recipes, toy, train
 
 
 def register(app: typer.Typer) -> None:
@@ -19,6 +20,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(cache.app, name="cache")
     app.add_typer(export.app, name="export")
     train.register(app)
+    recipes.register(app)
 
 
 def build_app() -> typer.Typer:
