@@ -10,7 +10,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import free_port
 
 from peagle_core.processes import stop_process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def add_service_args(ap: argparse.ArgumentParser, *, sqlite: bool = False) -> None:

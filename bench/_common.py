@@ -1,5 +1,5 @@
-"""Shared benchmark helpers: JSON-line output, a measured GEMM peak and model FLOP counts for MFU, and
-process memory."""
+"""Shared benchmark helpers: JSON-line output, child processes, free ports, a measured GEMM peak and model
+FLOP counts for MFU, and process memory. Imports nothing heavy at the top, so every script's --help is fast."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psutil
-import torch
+from worker.rendezvous import free_port  # noqa: F401  (the benches' too)
+
+if TYPE_CHECKING:
+    import torch
 
 
 def emit(**fields: Any) -> None:
@@ -20,9 +22,13 @@ def emit(**fields: Any) -> None:
 
 
 def gemm_peak_flops(
-    n: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    n: int = 2048, repeats: int = 5, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> float:
-    """Best observed FLOP/s of an n x n matmul on `device` (the denominator of MFU)."""
+    """Best observed FLOP/s of an n x n matmul on `device` in `dtype` (fp32 by default): the denominator
+    of MFU."""
+    import torch
+
+    dtype = dtype or torch.float32
     device = torch.device(device)
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     a @ b  # warm up the BLAS thread pool / cuBLAS handle
@@ -74,6 +80,8 @@ def llama_forward_flops(cfg: Any, lengths: list[int], lm_head: bool = False) -> 
 
 def rss_mb() -> float:
     """Current resident set size of this process, MiB."""
+    import psutil
+
     return psutil.Process().memory_info().rss / 2**20
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import random
 import shutil
@@ -56,12 +55,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.fixtures.pg_cluster import PrivatePostgres, postgres_bindir  # noqa: E402
-from tests.fixtures.servers import free_port  # noqa: E402
-
-
-def emit(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+from _common import emit, free_port  # noqa: E402
+from _pg_cluster import PrivatePostgres, postgres_bindir  # noqa: E402
 
 
 class Stack:

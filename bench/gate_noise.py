@@ -18,13 +18,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from _common import emit
 
 
-def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Namespace):
+def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Namespace) -> Path:
+    """A drafter trained on the toy verifier through the job's pipeline (prepare, train, export); its
+    exported directory."""
+    from peagle_core.pipeline.stages import run_pipeline
     from peagle_core.spec import parse_spec
-    from peagle_core.training.loop import train
 
     spec = parse_spec(
         {
@@ -47,12 +48,14 @@ def train_drafter(verifier_dir: Path, data: Path, out: Path, args: argparse.Name
             "export": {"vllm_check": False, "dtype": "fp32"},
         }
     )
-    result = train(spec, out)
-    assert result.export_dir is not None
-    return result.export_dir
+    result = run_pipeline(spec, out)
+    if result.export_dir is None:
+        raise SystemExit(f"training ended {result.status} without an exported drafter")
+    return Path(result.export_dir)
 
 
 def corrupt(src: Path, dst: Path, how: str) -> Path:
+    import torch
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
@@ -86,6 +89,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     args = p.parse_args()
 
+    import torch
     from transformers import AutoTokenizer
 
     from peagle_core.evaluation.acceptance import evaluate

@@ -16,7 +16,6 @@ Targets: hybrid epoch 2 within 1.1x of offline; cached reads >= 10x faster than 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import emit
 
 from peagle_core import toy
 from peagle_core.data import prepare_dataset
@@ -40,11 +40,9 @@ from peagle_core.vllm_engine import vllm_available
 SMOLLM2_DIR = Path.home() / ".cache" / "peagle" / "models" / "smollm2-135m-instruct-float32"
 
 
-def emit(metric: str, value: float, unit: str, **extra: Any) -> None:
-    print(
-        json.dumps({"bench": "hidden_states", "metric": metric, "value": value, "unit": unit, **extra}),
-        flush=True,
-    )
+def measured(metric: str, value: float, unit: str, **extra: Any) -> None:
+    """One figure of this bench as a JSON line."""
+    emit(bench="hidden_states", metric=metric, value=value, unit=unit, **extra)
 
 
 def pick_size(size: str) -> str:
@@ -109,13 +107,13 @@ def engine_builds(
                 seconds = time.perf_counter() - t0
         cache = HiddenStateCache.open(out, fp)
         extra = {"engine": engine} if vdtype is None else {"engine": engine, "verifier_dtype": vdtype}
-        emit("build_tokens_per_s", tokens / seconds, "tokens/s", **extra, **common)
-        emit("build_bytes_per_token", cache.total_bytes / tokens, "bytes", **extra, **common)
+        measured("build_tokens_per_s", tokens / seconds, "tokens/s", **extra, **common)
+        measured("build_bytes_per_token", cache.total_bytes / tokens, "bytes", **extra, **common)
         if engine == "vllm":
-            emit("engine_start_s", start_s, "s", **extra, **common)
+            measured("engine_start_s", start_s, "s", **extra, **common)
             rates[vdtype] = tokens / seconds
     if {"float32", "bfloat16"} <= rates.keys():
-        emit("vllm_bf16_over_fp32", rates["bfloat16"] / rates["float32"], "x", engine="vllm", **common)
+        measured("vllm_bf16_over_fp32", rates["bfloat16"] / rates["float32"], "x", engine="vllm", **common)
 
 
 def main() -> None:
@@ -180,13 +178,13 @@ def main() -> None:
             torch.cuda.synchronize()
 
     online_s = timed(online_pass, args.repeats)
-    emit("online_tokens_per_s", tokens / online_s, "tokens/s", **common)
+    measured("online_tokens_per_s", tokens / online_s, "tokens/s", **common)
 
     for dtype in ("bf16", "fp8"):
         cache_dir = work / f"cache-{dtype}"
         build_cache(cache_dir, ds, ComputeBackend(compute), fp, dtype=dtype, batch_size=16)
         cache = HiddenStateCache.open(cache_dir, fp)
-        emit("bytes_per_token", cache.total_bytes / tokens, "bytes", dtype=dtype, **common)
+        measured("bytes_per_token", cache.total_bytes / tokens, "bytes", dtype=dtype, **common)
 
         def read_pass(cache_dir: Path = cache_dir) -> None:
             # a fresh cache object: includes each shard's one-off checksum and mmap open
@@ -195,8 +193,10 @@ def main() -> None:
                 src.fetch(b)
 
         read_s = timed(read_pass, args.repeats)
-        emit("cache_read_tokens_per_s", tokens / read_s, "tokens/s", dtype=dtype, **common)
-        emit("cached_read_speedup_vs_online", online_s / read_s, "x", dtype=dtype, target=">=10", **common)
+        measured("cache_read_tokens_per_s", tokens / read_s, "tokens/s", dtype=dtype, **common)
+        measured(
+            "cached_read_speedup_vs_online", online_s / read_s, "x", dtype=dtype, target=">=10", **common
+        )
 
     hybrid = HybridSource(ds, work / "cache-hybrid", lambda: verifier, fingerprint=fp, dtype="bf16")
     run_epoch(ds, hybrid, bins, args.total_seq_len)  # epoch 1 fills the cache
@@ -210,9 +210,11 @@ def main() -> None:
         hybrid_t.append(timed(lambda: run_epoch(ds, hybrid, bins2, args.total_seq_len), 1))
         offline_t.append(timed(lambda: run_epoch(ds, offline, bins2, args.total_seq_len), 1))
     hybrid_s, offline_s = statistics.median(hybrid_t), statistics.median(offline_t)
-    emit("hybrid_epoch2_s", hybrid_s, "s", verifier_calls_in_epoch2=hybrid.verifier_calls - calls, **common)
-    emit("offline_epoch_s", offline_s, "s", **common)
-    emit("hybrid_epoch2_vs_offline", hybrid_s / offline_s, "x", target="<=1.1", **common)
+    measured(
+        "hybrid_epoch2_s", hybrid_s, "s", verifier_calls_in_epoch2=hybrid.verifier_calls - calls, **common
+    )
+    measured("offline_epoch_s", offline_s, "s", **common)
+    measured("hybrid_epoch2_vs_offline", hybrid_s / offline_s, "x", target="<=1.1", **common)
 
 
 if __name__ == "__main__":

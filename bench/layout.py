@@ -23,6 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path from tests/test_layout.py too
+from _common import emit
+
 # Lowest layer first: a module may import from its own layer or a lower one.
 LAYERS = ("peagle_core", "service", "worker", "client", "cli")
 BLOCK = 6  # lines in a repeated block
@@ -91,10 +94,6 @@ def hash_passes(root: Path) -> dict[str, Any]:
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(lines[-1])
-
-
-def emit(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def source_files(root: Path) -> list[Path]:

@@ -1,104 +1,32 @@
-"""The headline benchmark: a drafter for a real chat model, and its speed-up measured in vLLM.
+"""The headline benchmark: the shipped CPU recipe trained for a real chat model, and its speed-up in vLLM.
 
-SmolLM2-135M-Instruct from its wheel is the verifier. Whole ShareGPT conversations as written (every
-assistant turn, `--data sharegpt-tokens:T` picks them until T tokens; `regen:N` has the verifier answer N
-first turns instead) train a P-EAGLE drafter within a fixed budget, through the same pipeline a job runs
-(the spec is printed first, so the same job can be submitted). Then, on all 80 MT-Bench first turns, at
-every K = 1..num_depths: acceptance length per position and per category, in vLLM (its spec-decode
-counters) and in ours; whether vLLM's output equals its plain greedy output; and vLLM's output tokens/s
-with and without the drafter, and with vLLM's `ngram`, at batch 1 and batch 8 (median of `--repeats`
-rounds timed in alternating pairs, after a warm-up). One JSON line per figure.
+The job spec is the recipe preset's (`peagle recipes smollm2-cpu`; every flag below that names a spec
+field departs from it), trained through the same pipeline a job runs on the recipe's data (the spec is
+printed first, so the same job can be submitted). Then, on MT-Bench first turns (all 80 by default, one
+category after another), at every K = 1..num_depths: acceptance length per position and per category in
+vLLM (its spec-decode counters) and in ours, and whether vLLM's output equals its plain greedy output.
+Then the product's judge times vLLM with the drafter and with vLLM's `ngram` against plain decoding at
+batch 1 and 8, and its serving recommendation names the K to serve. One JSON line per figure.
 
-    python bench/real_model.py                       # the recipe in docs/decisions.md, < 60 min on 2 cores
+    python bench/real_model.py                       # the recipe; ~1 hour on a 2-core AMX CPU
     python bench/real_model.py --drafter DIR         # measure an exported drafter only
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from _common import emit
-
-MODEL = "smollm2-135m-instruct"
-
-
-def recipe(
-    args: argparse.Namespace, verifier: Path, data: Path, eval_prompts: list[Any], *, regenerate: bool
-) -> dict[str, Any]:
-    """The job spec the bench trains with (printed, so a user can submit the same job)."""
-    regen = {"engine": "vllm", "max_new_tokens": args.regen_tokens} if regenerate else False
-    return {
-        "name": f"real-model bench ({MODEL})",
-        # `auto`: vLLM extracts hidden states (and regenerates) in bf16 where bf16 is fast (1.7x fp32 on
-        # SmolLM2 here, bench/hidden_states.py); our own verifier passes stay fp32 on a CPU.
-        "verifier": {"name_or_path": str(verifier), "dtype": args.verifier_dtype},
-        "dataset": {
-            "path": str(data),
-            "seq_len": args.seq_len,
-            "val_fraction": 0.0,
-            "regenerate": regen,
-        },
-        # vLLM computes SmolLM2's hidden states ~8x faster than transformers here (bench/hidden_states.py).
-        "hidden_states": {"mode": "offline", "dtype": "bf16", "engine": args.hs_engine},
-        "model": {
-            "num_layers": args.num_layers,
-            "num_depths": args.num_depths,
-            "draft_vocab_size": args.draft_vocab,
-            "down_sample_ratio": args.cod_ratio,
-            "down_sample_ratio_min": args.cod_min,
-            "freeze_lm_head": args.freeze_lm_head,
-        },
-        "training": {
-            "epochs": args.epochs,
-            "max_steps": args.steps,
-            "lr": args.lr,
-            "warmup_ratio": 0.03,
-            "total_seq_len": args.total_seq_len,
-            "checkpoint_every_steps": 100,
-            "precision": args.precision,
-            "optimizer": args.optimizer,
-            "depth_weights": depth_weights(args.depth_weights),
-            "tv_weight": args.tv_weight,
-            "in_vocab_targets_only": args.in_vocab_only,
-        },
-        "evaluation": {"prompts": eval_prompts, "max_new_tokens": args.new_tokens, "engine": "both"},
-        "export": {"dtype": "fp32", "vllm_check": True},
-    }
+from _prompts import add_data_arg, mt_bench_prompts, training_data
+from _recipe import add_recipe_args, recipe_spec, recipe_value
 
 
-def add_recipe_args(p: argparse.ArgumentParser) -> None:
-    """The flags `recipe` reads (bench/recipe_sweep.py shares them, with its own defaults)."""
-    p.add_argument("--regen-tokens", type=int, default=192)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--verifier-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--hs-engine", default="vllm", choices=["vllm", "transformers"])
-    p.add_argument("--total-seq-len", type=int, default=4096)
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--num-depths", type=int, default=4)
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--cod-ratio", type=float, default=0.7)
-    p.add_argument("--cod-min", type=float, default=0.2)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
-    p.add_argument("--depth-weights", default="count", help="count, equal or w0/w1/...")
-    p.add_argument("--tv-weight", type=float, default=0.0)
-    p.add_argument("--in-vocab-only", type=int, default=0, choices=[0, 1])
-    p.add_argument("--freeze-lm-head", type=int, default=0, choices=[0, 1])
-
-
-def depth_weights(text: str) -> str | list[float]:
-    """`training.depth_weights` from a flag: count, equal, or weights joined by '/'."""
-    return text if text in ("count", "equal") else [float(w) for w in text.split("/")]
-
-
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """This bench's flags: the recipe's (each defaulting to the recipe's value), data, what to measure."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("bench-real-model"), help="reused between runs")
     p.add_argument("--drafter", type=Path, help="an exported drafter: skip training")
@@ -107,103 +35,120 @@ def main() -> None:
         type=Path,
         help="a store shared with other benches (bench/scaling.py's): reuse its data and cache",
     )
-    p.add_argument(
-        "--data",
-        default="sharegpt-tokens:3e6",
-        help="training data, as bench/recipe_sweep.py's --data: sharegpt-tokens:T (whole conversations up to "
-        "T tokens), regen:N (N first turns answered by the verifier), file:PATH, ...",
-    )
+    add_data_arg(p)
     add_recipe_args(p)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
+    p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns scored (80 = all)")
     p.add_argument("--ks", type=int, nargs="*", help="K values to evaluate (default 1..num_depths)")
-    p.add_argument("--timing-prompts", type=int, default=16, help="0: no speed-up timing")
     p.add_argument(
-        "--timing-ks", type=int, nargs="*", help="K values timed at each batch size (default: num_depths)"
+        "--timing-prompts", type=int, help="prompts timed (default: the recipe's evaluation prompts); 0: none"
     )
-    p.add_argument(
-        "--ngram-ks", type=int, nargs="*", help="K values timed for vLLM's ngram (default: the --timing-ks)"
-    )
+    p.add_argument("--timing-ks", type=int, nargs="*", help="K values timed (default: the recipe's)")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="paired timing rounds")
     p.add_argument("--serve-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="timed serving")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
+    from peagle_core.recipes.material import verifier_dir as recipe_verifier
+    from peagle_core.recipes.preset import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    t0 = time.monotonic()
+    verifier = recipe_verifier(recipe)
+    emit(bench="real_model", stage="model", recipe=recipe.label, verifier=str(verifier),
+         seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+    prompts = mt_bench_prompts(args.eval_prompts)
+    timing = prompts[: recipe.eval_prompts if args.timing_prompts is None else args.timing_prompts]
+    drafter = args.drafter or train(args, recipe, verifier, timing)
+    depths = measure_acceptance(args, verifier, drafter, prompts)
+    if timing:
+        ks = args.timing_ks or [k for k in recipe_value(args, "evaluation.speculative_tokens") if k <= depths]
+        time_serving(args, verifier, drafter, [p["prompt"] for p in timing], ks)
+
+
+# The bench's one departure from the recipe: it times the drafter itself after training (`time_serving`).
+BENCH_OVERRIDES = {"evaluation.measure_speedup": False}
+
+
+def job_spec(
+    args: argparse.Namespace, verifier: Path, data: Path, eval_prompts: list[Any], *, regenerate: bool
+) -> dict[str, Any]:
+    """The job this bench trains: the recipe, the flags given, `BENCH_OVERRIDES`."""
+    name = f"real-model bench ({args.recipe})"
+    return recipe_spec(
+        args, verifier, data, eval_prompts, regenerate=regenerate, name=name, extra=BENCH_OVERRIDES
+    )
+
+
+def train(args: argparse.Namespace, recipe: Any, verifier: Path, eval_prompts: list[dict[str, str]]) -> Path:
+    """The recipe trained through the job's pipeline; its exported drafter. The speed-up is timed after,
+    on the measured drafter (`time_serving`), so the job does not time it too."""
+    from peagle_core.pipeline.stages import LocalStore, Pipeline, run_pipeline
+    from peagle_core.spec import parse_spec
+
+    data, regenerate = training_data(args.data, recipe_value(args, "dataset.seq_len"), args.recipe)
+    spec = parse_spec(job_spec(args, verifier, data, eval_prompts, regenerate=regenerate))
+    emit(bench="real_model", stage="spec", spec=spec.model_dump(mode="json", exclude_unset=True))
+    t0 = time.monotonic()
+    if args.store is not None:
+        result = Pipeline.of(spec, args.work / "run", store=LocalStore(args.store)).run(resume=True)
+    else:
+        result = run_pipeline(spec, args.work / "run")
+    emit(bench="real_model", stage="train", seconds=round(time.monotonic() - t0, 1), status=result.status,
+         step=result.step, metrics={k: v for k, v in result.metrics.items() if isinstance(v, float | int)})  # fmt: skip
+    if result.export_dir is None:
+        raise SystemExit(f"training ended {result.status} without an exported drafter")
+    return Path(result.export_dir)
+
+
+def measure_acceptance(
+    args: argparse.Namespace, verifier_dir: Path, drafter_dir: Path, rows: list[dict]
+) -> int:
+    """Acceptance per K, per position and per category in vLLM and in ours (fp32, greedy), losslessness
+    and ours = vLLM per prompt; returns the drafter's number of depths."""
     import torch
     from transformers import AutoTokenizer
 
-    from peagle_core.catalogue.datasets import get_dataset
-    from peagle_core.catalogue.models import get_model
     from peagle_core.evaluation.acceptance import evaluate
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
-    from peagle_core.pipeline.stages import LocalStore, Pipeline, run_pipeline
     from peagle_core.serving.categories import eval_categories_figures, pool_eval, pool_runs, run_categories
     from peagle_core.serving.judge import agreement_gap, engine_options
-    from peagle_core.spec import parse_spec
     from peagle_core.vllm_engine import VllmEngine
-
-    t0 = time.monotonic()
-    verifier_dir = get_model(MODEL)
-    emit(bench="real_model", stage="model", verifier=str(verifier_dir), seconds=time.monotonic() - t0)
-
-    mt_path, _ = get_dataset("mt-bench", first_turn=True, prompts_only=True)
-    mt_rows = [json.loads(line) for line in mt_path.read_text().splitlines()][: args.eval_prompts]
-    texts = [r["messages"][0]["content"] for r in mt_rows]
-    categories = [r.get("category", "all") for r in mt_rows]
-
-    drafter_dir = args.drafter
-    if drafter_dir is None:
-        from recipe_sweep import training_data  # it imports this module: not at the top
-
-        train_path, regenerate = training_data(args.data, args.seq_len)
-        spec = parse_spec(recipe(args, verifier_dir, train_path, texts[:8], regenerate=regenerate))
-        emit(bench="real_model", stage="spec", spec=spec.model_dump(mode="json", exclude_unset=True))
-        t0 = time.monotonic()
-        if args.store is not None:
-            result = Pipeline.of(spec, args.work / "run", store=LocalStore(args.store)).run(resume=True)
-        else:
-            result = run_pipeline(spec, args.work / "run")
-        emit(bench="real_model", stage="train", seconds=round(time.monotonic() - t0, 1), status=result.status,
-             step=result.step, metrics={k: v for k, v in result.metrics.items() if isinstance(v, int | float)},
-             serving=result.serving.to_dict() if result.serving else None)  # fmt: skip
-        drafter_dir = result.export_dir
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
-    prompts = []
-    for text in texts:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts = [token_ids(tok, r["prompt"]) for r in rows]
     verifier = Verifier.load(str(verifier_dir), device=str(device))
     drafter = PEagleDraftModel.from_pretrained(drafter_dir).to(device)
     depths = drafter.config.num_depths
     eos = verifier.tokenizer.eos_token_id
     by_cat: dict[str, list[int]] = defaultdict(list)
-    for i, c in enumerate(categories):
-        by_cat[c].append(i)
-    by_cat = dict(by_cat)
-
+    for i, r in enumerate(rows):
+        by_cat[r["category"]].append(i)
     opts = {**engine_options(device), "max_model_len": 2048}  # one engine for every prompt set
     v = str(verifier_dir)
     tensors = [torch.tensor(p, device=device) for p in prompts]
     with VllmEngine() as vllm:
-        t0 = time.monotonic()
         plain = vllm.generate(v, prompts, args.new_tokens, **opts)
-        emit(bench="real_model", stage="vllm_plain", prompts=len(prompts), seconds=time.monotonic() - t0)
-        for k in args.ks or range(1, depths + 1):
+        rate = round(plain.num_output_tokens / plain.seconds, 2)
+        emit(bench="real_model", stage="vllm_plain", prompts=len(prompts), dtype=opts["dtype"],
+             output_tokens_per_s=rate, seconds=round(plain.seconds, 1))  # fmt: skip
+        ks = args.ks or list(range(1, depths + 1))
+        for k in ks:
             # Each category decoded apart (vLLM's counters are per call), then pooled by drafts.
             t0 = time.monotonic()
             ours_parts = {c: evaluate(drafter, verifier, [tensors[i] for i in idx], k, args.new_tokens, eos)
                           for c, idx in by_cat.items()}  # fmt: skip
-            ours = pool_eval(ours_parts, by_cat)
-            ours_s = time.monotonic() - t0
+            ours, ours_s = pool_eval(ours_parts, by_cat), time.monotonic() - t0
             t0 = time.monotonic()
             runs = {c: vllm.generate(v, [prompts[i] for i in idx], args.new_tokens, drafter=str(drafter_dir),
                                      k=k, **opts) for c, idx in by_cat.items()}  # fmt: skip
-            theirs = pool_runs(runs, by_cat)
-            vllm_s = time.monotonic() - t0
+            theirs, vllm_s = pool_runs(runs, by_cat), time.monotonic() - t0
             emit(
                 bench="real_model",
                 k=k,
@@ -218,75 +163,55 @@ def main() -> None:
                 vllm_seconds=round(vllm_s, 1),
                 peagle_eval_seconds=round(ours_s, 1),
             )
-            if k == max(args.ks or [depths]):
+            if k == max(ks):
                 vllm_cats, ours_cats = run_categories(runs), eval_categories_figures(ours_parts)
                 for c in by_cat:
                     emit(bench="real_model", k=k, category=c, prompts=len(by_cat[c]),
                          vllm_acceptance_length=vllm_cats[c]["acceptance_length"],
                          vllm_acceptance_rate_per_position=vllm_cats[c]["acceptance_rate_per_position"],
                          peagle_acceptance_length=ours_cats[c]["acceptance_length"])  # fmt: skip
-
-        timing = prompts[: args.timing_prompts]
-        if not timing:  # --timing-prompts 0: acceptance only
-            return
-        fp32_plain = vllm.generate(v, timing[:1], args.new_tokens, **opts)  # warm
-        fp32_plain = [vllm.generate(v, [p], args.new_tokens, **opts) for p in timing]
-    time_serving(args, v, drafter_dir, timing, opts, depths, fp32_plain)
+    return depths
 
 
 def time_serving(
-    args: argparse.Namespace,
-    verifier: str,
-    drafter_dir: Path,
-    timing: list[list[int]],
-    opts: dict[str, Any],
-    depths: int,
-    fp32_plain: list[Any],
+    args: argparse.Namespace, verifier_dir: Path, drafter_dir: Path, texts: list[str], ks: list[int]
 ) -> None:
-    """Paired speed-ups in the serving dtype (`--serve-dtype`, bf16 by default: what users serve): the
-    drafter and vLLM's `ngram` at each timed K, at batch 1 and 8, each against plain decoding; then each
-    speculator's best K, and plain bf16 against plain fp32 once. Losslessness is checked in fp32 above;
-    here the greedy match rate says how often bf16 spec decoding kept plain bf16's tokens."""
-    from peagle_core.serving.speedup import batch_groups, paired_speedups
-    from peagle_core.vllm_engine import VllmEngine
+    """The product's speed-up measurement (`VllmJudge.measure_speedup`: paired rounds, the drafter and
+    vLLM's `ngram` at each K of `ks`, batch 1 and 8, in `--serve-dtype`) and its serving recommendation
+    (the K to serve, ngram's best beside it)."""
+    import torch
+    from transformers import AutoTokenizer
 
-    serve = {**opts, "dtype": args.serve_dtype}
-    batchings = [batch_groups(timing, b) for b in (1, 8)]
-    rows: list[dict[str, Any]] = []
-    with VllmEngine() as plain:
-        ours_ks = args.timing_ks or range(1, depths + 1)
-        for method, ks in (("eagle3", ours_ks), ("ngram", args.ngram_ks or ours_ks)):
-            for k in ks:
-                # One engine process per configuration: vLLM's CPU build cannot build another engine in a
-                # process whose ngram proposer has loaded numba (peagle_core.serving.judge).
-                with VllmEngine() as drafted:
-                    rows += paired_speedups(
-                        plain, drafted, verifier, batchings, args.new_tokens,
-                        drafter=str(drafter_dir) if method == "eagle3" else None, k=k, method=method,
-                        rounds=args.repeats, options=serve,
-                    )  # fmt: skip
-        bf16_plain = [plain.generate(verifier, [p], args.new_tokens, **serve) for p in timing]
+    from peagle_core.serving.judge import VllmJudge, engine_options
+    from peagle_core.serving.recommendation import ServingRecommendation
+
+    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
+    prompts = [token_ids(tok, t) for t in texts]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with VllmJudge(str(verifier_dir), prompts, args.new_tokens, options=engine_options(device),
+                   timing_dtype=args.serve_dtype) as judge:  # fmt: skip
+        rows = judge.measure_speedup(drafter_dir, ks, batch_sizes=(1, 8), rounds=args.repeats)
     for r in rows:
-        emit(bench="real_model", stage="speedup", dtype=args.serve_dtype, method=r["method"], k=r["k"],
+        emit(bench="real_model", stage="speedup", dtype=r["dtype"], method=r["method"], k=r["k"],
              batch=r["batch_size"], prompts=r["prompts"], repeats=r["rounds"],
              plain_tokens_per_s=r["baseline_output_tokens_per_s"], drafter_tokens_per_s=r["output_tokens_per_s"],
              speedup=r["speedup"], speedup_per_round=r["speedup_per_round"],
              acceptance_length=r["acceptance_length"], greedy_match=r["lossless"])  # fmt: skip
-    for batch in (1, 8):
-        best = {}
-        for method in ("eagle3", "ngram"):
-            mine = [r for r in rows if r["method"] == method and r["batch_size"] == min(batch, len(timing))]
-            best[method] = max(mine, key=lambda r: r["speedup"] or 0.0, default=None)
-        d, n = best["eagle3"], best["ngram"]
-        emit(bench="real_model", stage="best_k", dtype=args.serve_dtype, batch=batch,
-             peagle_k=d and d["k"], peagle_speedup=d and d["speedup"], ngram_k=n and n["k"],
-             ngram_speedup=n and n["speedup"],
-             margin_over_ngram=d and n and d["speedup"] and n["speedup"] and round(d["speedup"] - n["speedup"], 4))  # fmt: skip
-    rate = lambda runs: sum(r.num_output_tokens for r in runs) / sum(r.seconds for r in runs)  # noqa: E731
-    emit(bench="real_model", stage="dtype", batch=1, prompts=len(timing),
-         fp32_plain_tokens_per_s=round(rate(fp32_plain), 2), bf16_plain_tokens_per_s=round(rate(bf16_plain), 2),
-         bf16_over_fp32=round(rate(bf16_plain) / rate(fp32_plain), 3),
-         bf16_equals_fp32_prompts=sum(a.tokens == b.tokens for a, b in zip(bf16_plain, fp32_plain, strict=True)))  # fmt: skip
+    rec = ServingRecommendation.choose(rows)
+    if rec is None:
+        return
+    for b in rec.batches:
+        margin = b.best_speedup - b.ngram_speedup if None not in (b.best_speedup, b.ngram_speedup) else None
+        emit(bench="real_model", stage="best_k", dtype=args.serve_dtype, batch=b.batch_size, peagle_k=b.best_k,
+             peagle_speedup=b.best_speedup, ngram_k=b.ngram_k, ngram_speedup=b.ngram_speedup,
+             margin_over_ngram=None if margin is None else round(margin, 4))  # fmt: skip
+    emit(bench="real_model", stage="recommendation", k=rec.k, sentence=rec.sentence())
+
+
+def token_ids(tokenizer: Any, text: str) -> list[int]:
+    """A user turn through the chat template, as vLLM and our evaluator are given it."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 if __name__ == "__main__":

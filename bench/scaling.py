@@ -1,12 +1,13 @@
 """How acceptance grows with training tokens on the real model: one run per token budget, scored by vLLM.
 
-Every budget trains its own drafter with the same recipe and its own full LR schedule (an intermediate
+Every budget trains its own drafter with the shipped recipe (`peagle recipes`; the recipe flags of
+bench/_recipe.py depart from it) and its own full LR schedule (an intermediate
 checkpoint of one long run would be scored mid-schedule, at a high learning rate), sharing one store so
 the data and the verifier's hidden states are made once. Each drafter's acceptance length comes from
 vLLM's spec-decode counters on MT-Bench first turns (all 80 by default) at K = num_depths, with our
 training loss and accuracy per depth beside it. One JSON line per budget, then the curve as a PNG.
 
-    python bench/scaling.py --budgets 1e6,3e6,1e7 --data sharegpt-all:17000 --plot docs/scaling.png
+    python bench/scaling.py --budgets 3e5,7.5e5,1.5e6,3e6 --plot docs/scaling.png
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from _common import emit, peak_rss_mb
-from real_model import MODEL, add_recipe_args, recipe
-from recipe_sweep import mt_bench_prompts, training_data
+from _prompts import add_data_arg, mt_bench_prompts, training_data
+from _recipe import add_recipe_args, recipe_spec, recipe_value
 
 
 def plot(points: list[dict[str, Any]], path: Path) -> None:
@@ -47,7 +48,7 @@ def plot(points: list[dict[str, Any]], path: Path) -> None:
     acc.set_ylabel("training accuracy, depth 0 (last step)")
     acc.minorticks_off()
     fig.legend(loc="upper left", bbox_to_anchor=(0.1, 0.9))
-    ax.set_title(f"P-EAGLE on {MODEL}: acceptance vs training tokens")
+    ax.set_title(f"P-EAGLE on {points[0].get('verifier', 'SmolLM2')}: acceptance vs training tokens")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -57,13 +58,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budgets", default="1e6,3e6,1e7", help="training tokens per run, comma-separated")
     p.add_argument("--work", type=Path, default=Path("bench-scaling"), help="shared store, reused")
-    p.add_argument("--data", default="sharegpt-tokens:3e6", help="as bench/recipe_sweep.py's --data")
+    add_data_arg(p)
     p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns scored (80 = all)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--plot", type=Path, default=Path("bench-scaling/scaling.png"))
     p.add_argument("--one-budget", type=float, help=argparse.SUPPRESS)  # a child's one run
     add_recipe_args(p)
-    p.set_defaults(seq_len=1024, hs_engine="vllm", epochs=1000)  # the budget ends each run
+    p.set_defaults(epochs=1000)  # the budget ends each run
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     points_file = args.work / "points.jsonl"
@@ -94,21 +95,27 @@ def read_points(path: Path) -> list[dict[str, Any]]:
 
 def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
     """One budget's drafter trained through the job's pipeline and scored by vLLM; its JSON point."""
-    from peagle_core.catalogue.models import get_model
     from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport
     from peagle_core.events import CallbackReporter
     from peagle_core.pipeline.stages import Callbacks, LocalStore, Pipeline
+    from peagle_core.recipes.material import verifier_dir
+    from peagle_core.recipes.preset import load_recipe
     from peagle_core.spec import parse_spec
 
-    verifier = get_model(MODEL)
-    data, regenerate = training_data(args.data, args.seq_len)
+    recipe = load_recipe(args.recipe)
+    verifier = verifier_dir(recipe)
+    data, regenerate = training_data(args.data, recipe_value(args, "dataset.seq_len"), args.recipe)
     prompts = mt_bench_prompts(args.eval_prompts)
     store = LocalStore(args.work / "store")
-    args.steps = max(1, math.ceil(budget / args.total_seq_len))
-    raw = recipe(args, verifier, data, prompts, regenerate=regenerate)
-    raw["evaluation"]["engine"] = "vllm"
-    raw["export"]["vllm_check"] = False  # scored by vLLM already; the gate's fp32 check is real_model's
-    spec = parse_spec(raw)
+    row_tokens = recipe_value(args, "training.total_seq_len")
+    depths = recipe_value(args, "model.num_depths")
+    args.steps = max(1, math.ceil(budget / row_tokens))
+    spec = parse_spec(recipe_spec(args, verifier, data, prompts, regenerate=regenerate, name=f"scaling {budget:g}", extra={
+        "evaluation.engine": "vllm",
+        "evaluation.speculative_tokens": [depths],
+        "evaluation.measure_speedup": False,
+        "export.vllm_check": False,  # scored by vLLM already; the gate's fp32 check is real_model's
+    }))  # fmt: skip
     emit(bench="scaling", budget=budget, spec=spec.model_dump(mode="json", exclude_unset=True))
     t0 = time.monotonic()
     steps: list[
@@ -126,13 +133,15 @@ def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
     steps = [s for s in steps if s[1] > 0]
     report = result.evaluation or EvaluationReport()
     by_k = {k: (r.vllm.acceptance_length if r.vllm else None) for k, r in report.results.items()}
-    at_k = report.at(args.num_depths)
+    at_k = report.at(depths)
     vllm = (at_k.vllm if at_k is not None else None) or AcceptanceFigures()
     point = {
         "budget": budget,
-        "tokens": args.steps * args.total_seq_len,
+        "recipe": recipe.label,
+        "verifier": recipe.verifier,
+        "tokens": args.steps * row_tokens,
         "steps": result.step,
-        "k": args.num_depths,
+        "k": depths,
         "vllm_acceptance_length": vllm.acceptance_length,
         "vllm_acceptance_length_by_k": by_k,
         "vllm_acceptance_rate_per_position": vllm.acceptance_rate_per_position,
@@ -140,9 +149,7 @@ def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
         "train_accuracy": {k: round(v, 4) for k, v in result.metrics.items() if k.startswith("acc_")},
         "seconds": round(time.monotonic() - t0, 1),
         "train_seconds": round(steps[-1][0] - steps[0][0], 1) if len(steps) > 1 else None,
-        "train_tokens_per_s": round(
-            (steps[-1][1] - steps[0][1]) * args.total_seq_len / (steps[-1][0] - steps[0][0])
-        )
+        "train_tokens_per_s": round((steps[-1][1] - steps[0][1]) * row_tokens / (steps[-1][0] - steps[0][0]))
         if len(steps) > 1
         else None,
         "peak_rss_mb": peak_rss_mb(),

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing as mp
 import tempfile
 import time
@@ -29,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import _api_harness as harness
+from _common import emit
 
 KINDS = ("dribbled_bodies", "unread_streams", "idle_sockets")
 TENANT_ADDRESS = "127.0.0.2"
@@ -40,11 +40,6 @@ _BODY = (
     + '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
     * 100
 ).encode()
-
-
-def emit(**fields: Any) -> None:
-    """One measurement as a JSON object on its own stdout line (bench/_common.py's, without torch)."""
-    print(json.dumps(fields), flush=True)
 
 
 def _setup(args: argparse.Namespace, tmp: Path) -> tuple[str, str | None, str, str, str]:

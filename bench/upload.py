@@ -24,13 +24,9 @@ from pathlib import Path
 
 import httpx
 import psutil
-from _api_harness import free_port
+from _common import emit, free_port
 
 from peagle_core.processes import stop_process
-
-
-def emit(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def write_jsonl(path: Path, size_bytes: int) -> int:

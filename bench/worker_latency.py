@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -19,12 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import emit
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def emit(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 def main() -> None:

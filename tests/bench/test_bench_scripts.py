@@ -1,0 +1,86 @@
+"""Every bench script still runs: each one's `--help` (its imports and its parser) in one child process, and
+the harness rules hold (one `emit`, no import cycle between scripts, nothing imported from tests/)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+# Each script run as `python bench/x.py --help` would be, one after another in one interpreter, so torch is
+# imported once for all of them; one JSON line per script: its exit code, the help's first line or the error.
+_HELP_ALL = """
+import contextlib, io, json, runpy, sys, traceback
+for script in sys.argv[1:]:
+    sys.argv, out = [script, "--help"], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    except BaseException:
+        code = traceback.format_exc(limit=-3)
+    print(json.dumps({"script": script, "code": code, "usage": out.getvalue().split("\\n")[0]}), flush=True)
+"""
+
+
+def test_every_bench_script_answers_help() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELP_ALL, *map(str, SCRIPTS)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=BENCH.parent,
+        env={**os.environ, "PYTHONPATH": f"{BENCH}{os.pathsep}{BENCH.parent}"},
+    )  # fmt: skip
+    results = {Path(r["script"]).name: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert set(results) == {p.name for p in SCRIPTS}, proc.stderr[-3000:]
+    broken = {name: r["code"] for name, r in results.items() if r["code"] != 0 or "usage:" not in r["usage"]}
+    assert not broken, broken
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_harness_has_one_emit_no_cycles_and_no_test_imports() -> None:
+    modules = {p.stem: p for p in BENCH.glob("*.py")}
+    emits = sorted(
+        p.name
+        for p in modules.values()
+        for node in ast.parse(p.read_text()).body  # module level: _suite's Suite.emit also writes its file
+        if isinstance(node, ast.FunctionDef) and node.name == "emit"
+    )
+    assert emits == ["_common.py"]
+    deps = {name: {m for m in _imports(p) if m in modules} for name, p in modules.items()}
+    from_tests = sorted(
+        name for name, p in modules.items() if any(m.split(".")[0] == "tests" for m in _imports(p))
+    )
+    assert not from_tests
+    # Scripts import only helpers (`_name`), and helpers never import a script: no cycle can form.
+    upward = sorted(f"{name} -> {m}" for name, ms in deps.items() for m in ms if not m.startswith("_"))
+    assert not upward
+
+
+def test_gate_noise_trains_its_drafter_through_the_pipeline(
+    toy_verifier_dir: Path, toy_dataset_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import gate_noise
+
+    args = argparse.Namespace(num_layers=1, num_depths=2, draft_vocab=256, seq_len=128, steps=1)
+    export = gate_noise.train_drafter(toy_verifier_dir, toy_dataset_path, tmp_path / "run", args)
+    assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
