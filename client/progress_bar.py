@@ -41,13 +41,14 @@ class Snapshot:
     def counted(self) -> bool:
         return self.done is not None and bool(self.total)
 
-    @property
-    def figures(self) -> str:
-        """E.g. `120/400 steps (30%) | 1,843 tok/s | loss 2.3140 | eta 3m12s`: what is known."""
+    def figures(self, *, compact: bool = False) -> str:
+        """E.g. `120/400 steps (30%) | 1,843 tok/s | loss 2.3140 | eta 3m12s`: what is known (`compact`, beside
+        a drawn bar: `120/400 | ...`)."""
         parts = []
         if self.done is not None and self.total:
-            parts.append(f"{self.done}/{self.total}{' ' + self.unit if self.unit else ''} "
-                         f"({100 * self.done / self.total:.0f}%)")  # fmt: skip
+            unit = f" {self.unit}" if self.unit else ""
+            count = f"{self.done}/{self.total}"
+            parts.append(count if compact else f"{count}{unit} ({100 * self.done / self.total:.0f}%)")
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:,.0f} tok/s")
         if self.loss is not None:
@@ -106,9 +107,8 @@ class JobProgressBar:
     def job(self, job: Job) -> None:
         """The job record as GET /v1/jobs/{id} answers it; prints a plain line when one is due."""
         self._job = job
-        if (
-            not self.live and str(job.get("status")) not in TERMINAL_STATUSES
-        ):  # an ended job's line is the last
+        # An ended job's line is printed last, when the bar closes.
+        if not self.live and str(job.get("status")) not in TERMINAL_STATUSES:
             self._print_due()
 
     def event(self, event: dict[str, Any]) -> None:
@@ -187,23 +187,26 @@ class JobProgressBar:
         if self._spinner is None:
             self._spinner = Spinner("dots", style="progress.spinner")
         ended = str(self._job.get("status")) in TERMINAL_STATUSES
+        elapsed, figures = duration(self._clock() - self._started), snap.figures(compact=True)
+        bar_width = max(10, min(30, self.console.width - len(snap.title) - len(elapsed) - len(figures) - 8))
+        # On a narrow terminal the figures, last, are cut; never the stage or the elapsed time.
         grid = Table.grid(padding=(0, 1))
-        grid.add_column(width=1)
-        grid.add_column(no_wrap=True, overflow="ellipsis", max_width=56)
-        grid.add_column(width=30)
+        grid.add_column(min_width=1)
+        grid.add_column(no_wrap=True, overflow="ellipsis", min_width=min(len(snap.title), 40))
+        grid.add_column(width=bar_width)
+        grid.add_column(no_wrap=True, min_width=len(elapsed), style="progress.elapsed")
         grid.add_column(no_wrap=True, overflow="ellipsis")
-        grid.add_column(no_wrap=True, style="progress.elapsed")
         if ended:  # nothing moves any more: full when it succeeded, else empty
-            bar = ProgressBar(total=1, completed=int(snap.title == "succeeded"), width=30)
+            bar = ProgressBar(total=1, completed=int(snap.title == "succeeded"), width=bar_width)
         else:
             total = snap.total if snap.counted else None
-            bar = ProgressBar(total=total, completed=snap.done or 0, width=30, pulse=total is None)
+            bar = ProgressBar(total=total, completed=snap.done or 0, width=bar_width, pulse=total is None)
         grid.add_row(
             Text(" ") if ended else self._spinner,
             Text(snap.title, style="progress.description"),
             bar,
-            Text(snap.figures),
-            Text(duration(self._clock() - self._started)),
+            Text(elapsed),
+            Text(figures),
         )
         return grid
 
@@ -279,7 +282,8 @@ def duration(seconds: float) -> str:
 
 
 def _text(snap: Snapshot) -> str:
-    return f"{snap.title}  {snap.figures}" if snap.figures else snap.title
+    figures = snap.figures()
+    return f"{snap.title}  {figures}" if figures else snap.title
 
 
 def _timestamp(value: Any) -> datetime | None:
