@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from peagle_core.spec import TrainingSpec
+
 
 def cosine_with_warmup(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """The multiplier of the peak learning rate at optimizer step `step` (0-based)."""
@@ -24,4 +26,14 @@ def build_scheduler(
         lambda step: cosine_with_warmup(
             step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
         ),
+    )
+
+
+def scheduler_for(
+    optimizer: torch.optim.Optimizer, tc: TrainingSpec, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The spec's schedule over `total_steps`: warmup for `training.warmup_ratio` of them, then the decay."""
+    warmup_steps = math.ceil(tc.warmup_ratio * total_steps)
+    return build_scheduler(
+        optimizer, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=tc.min_lr_ratio
     )
