@@ -509,37 +509,38 @@ def make_trainer(
     from a spec, minus loading the verifier from disk and resuming)."""
     from peagle_core.model.objective import Objective
     from peagle_core.training.builders import build_model, build_optimizer, build_teacher
+    from peagle_core.training.checkpointer import Checkpointer
     from peagle_core.training.distributed import DistInfo
+    from peagle_core.training.evaluator import Evaluator
     from peagle_core.training.loop import Hooks, Trainer
+    from peagle_core.training.parallel import ParallelModel
+    from peagle_core.training.publisher import Publisher
     from peagle_core.training.schedule import build_scheduler
+    from peagle_core.training.training_data import TrainingData
 
     tc = spec.training
-    info = DistInfo()
+    hooks = Hooks(DistInfo())
     torch.manual_seed(tc.seed)
     model = build_model(spec, verifier, dataset, device)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay)
     scheduler = build_scheduler(optimizer, warmup_steps=0, total_steps=total_steps, min_lr_ratio=1.0)
+    evaluator = Evaluator(spec, hooks, verifier, prompts=[])
     return Trainer(
         spec=spec,
-        out_dir=out,
-        info=info,
         device=device,
-        hooks=Hooks(info),
-        dataset=dataset,
-        train_idx=train_idx,
-        verifier=verifier,
-        source=source,
-        model=model,
-        train_module=model,
+        hooks=hooks,
+        data=TrainingData(spec, dataset, train_idx, [], source),
+        parallel=ParallelModel.single(model, device),
         teacher=build_teacher(verifier, model),
         objective=Objective(tc.depth_weights, tc.tv_weight),
         optimizer=optimizer,
         scheduler=scheduler,
-        autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
-        precision="bf16" if device.type == "cuda" else "fp32",
         total_steps=total_steps,
-        prompts=[],
-        ckpt_root=out / "checkpoints",
+        checkpointer=Checkpointer(
+            out / "checkpoints", tc.checkpoint_every_steps, hooks, model, optimizer, scheduler
+        ),
+        evaluator=evaluator,
+        publisher=Publisher(spec, out / "export", hooks, verifier.config, dataset.fingerprint, evaluator),
     )
 
 

@@ -55,13 +55,15 @@ def _rank_main(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
         dist_utils.barrier(info)
 
-    bins = epoch_bins(run.train_idx, list(run.dataset.lengths), spec, 0)
+    bins = epoch_bins(run.data.train_idx, list(run.data.dataset.lengths), spec, 0)
     n = args.warmup + args.steps
     shards = step_shards(len(bins), 0, global_batch_bins(spec), info.rank, info.world_size)
     blocks = step_shards(len(bins), 0, global_batch_bins(spec))  # each step's rows over all ranks
     shards, blocks = [(x * (1 + n // len(x)))[:n] for x in (shards, blocks)]
     rows = [bins[b] for s in shards for b in s.bins]
-    loader = iter(BatchLoader(run.dataset, run.source, rows, total_seq_len=spec.training.total_seq_len))
+    loader = iter(
+        BatchLoader(run.data.dataset, run.data.source, rows, total_seq_len=spec.training.total_seq_len)
+    )
     times, tokens = [], 0.0
     for i, (shard, block) in enumerate(zip(shards, blocks, strict=True)):
         sync()
@@ -70,7 +72,7 @@ def _rank_main(args: argparse.Namespace) -> None:
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-            tokens += sum(run.dataset.lengths[j] - 1 for b in block.bins for j in bins[b])
+            tokens += sum(run.data.dataset.lengths[j] - 1 for b in block.bins for j in bins[b])
     loader.close()
 
     state = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in run.model.parameters())

@@ -1,10 +1,11 @@
-"""The P-EAGLE training loop: data → hidden states → drafter → AdamW steps with checkpoints, eval and export.
+"""The P-EAGLE training loop: data → hidden states → drafter → optimizer steps, with evaluation, checkpoints
+and the export.
 
-`train()` reads like torchtitan's trainer in miniature: `setup` builds everything once (data, hidden-state
-source, drafter, teacher, optimizer, resume point), then each loop iteration calls `train_step`,
-`maybe_evaluate` and `maybe_checkpoint`, and the end exports the drafter. Under torchrun it trains
-data-parallel (DDP or FSDP2, `training.sharding`); a step's rows, gradient and randomness do not depend on
-how many ranks run it, so a checkpoint resumes at any world size.
+`train()` reads like nanoGPT's loop: `setup` builds the `Trainer` once (its data, drafter, teacher,
+optimizer and the components that evaluate, checkpoint and publish), then each iteration runs `train_step`
+and hands the step to the evaluator and the checkpointer, and the end publishes the drafter. Under torchrun
+it trains data-parallel (DDP or FSDP2, `training.sharding`); a step's rows, gradient and randomness do not
+depend on how many ranks run it, so a checkpoint resumes at any world size.
 """
 
 from __future__ import annotations
@@ -13,153 +14,29 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from peagle_core.data import PreparedDataset
 from peagle_core.data.packing import StepShard, step_shards
-from peagle_core.errors import DataError, TrainingDiverged
-from peagle_core.evaluation.acceptance import EvalResult, evaluate
-from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, KResult
-from peagle_core.events import CallbackReporter, Event, Level, Reporter
-from peagle_core.hidden_states.loader import BatchLoader, HiddenStateSource
-from peagle_core.hidden_states.verifier import Verifier
-from peagle_core.io import atomic_write_json
-from peagle_core.model.drafter import PEagleDraftModel
+from peagle_core.errors import TrainingDiverged
+from peagle_core.events import CallbackReporter, Reporter
 from peagle_core.model.objective import Objective, Teacher
 from peagle_core.model.partition import partitioned_backward
-from peagle_core.model.precision import resolve_precision
-from peagle_core.serving.categories import category_groups, eval_categories_figures, pool_eval
-from peagle_core.serving.export import export_checkpoint
-from peagle_core.serving.gate import Acceptance, ServingCheck
-from peagle_core.serving.judge import (
-    GAP_TOLERANCE,
-    Engines,
-    VllmJudge,
-    agreement_gap,
-)
-from peagle_core.serving.recommendation import ServingRecommendation
 from peagle_core.spec import JobSpec
 from peagle_core.training import distributed as dist_utils
 from peagle_core.training import sharding
-from peagle_core.training.builders import (
-    build_judge,
-    build_model,
-    build_optimizer,
-    build_source,
-    build_teacher,
-    count_steps,
-    epoch_bins,
-    eval_categories,
-    eval_prompts,
-    global_batch_bins,
-    load_verifier,
-)
-from peagle_core.training.cpu_runtime import keep_freed_memory, trim_freed_memory
+from peagle_core.training.builders import global_batch_bins
+from peagle_core.training.cpu_runtime import trim_freed_memory
+from peagle_core.training.evaluator import eval_summary
+from peagle_core.training.hooks import ConsumedFn, Hooks
+from peagle_core.training.progress import Progress
 from peagle_core.training.result import PipelineResult
-from peagle_core.training.resume import (
-    DataPosition,
-    TrainingState,
-    restore_latest,
-    save_checkpoint,
-)
-from peagle_core.training.schedule import build_scheduler
+from peagle_core.training.trainer import Trainer, setup
 
-ConsumedFn = Callable[[int, list[int]], None]
-
-
-@dataclass
-class Hooks:
-    """The caller's callbacks: only rank 0 tells `reporter` its events and metrics; a stop request stops every
-    rank; `on_consumed(epoch, sample_ids)` hears, on every rank, the dataset samples each step trained that rank on."""
-
-    info: dist_utils.DistInfo
-    reporter: Reporter = field(default_factory=CallbackReporter)
-    should_stop: Callable[[], bool] | None = None
-    on_consumed: ConsumedFn | None = None
-
-    def event(self, kind: str, message: str, /, *, level: Level = "info", **data: Any) -> None:
-        if self.info.is_main:
-            self.reporter.on_event(Event(kind, message, data, level))
-
-    def report(self, metrics: dict[str, Any]) -> None:
-        if self.info.is_main:
-            self.reporter.on_metrics(metrics)
-
-    def consumed(self, epoch: int, sample_ids: list[int]) -> None:
-        if self.on_consumed is not None:
-            self.on_consumed(epoch, sample_ids)
-
-    def stop_requested(self, device: torch.device) -> bool:
-        """A collective: every rank calls it and gets the same answer."""
-        return dist_utils.any_rank(bool(self.should_stop and self.should_stop()), self.info, device)
-
-
-@dataclass
-class Trainer:
-    """What `setup` builds and the loop reads."""
-
-    spec: JobSpec
-    out_dir: Path
-    info: dist_utils.DistInfo
-    device: torch.device
-    hooks: Hooks
-    dataset: PreparedDataset
-    train_idx: list[int]
-    verifier: Verifier
-    source: HiddenStateSource
-    model: PEagleDraftModel  # sharded in place under FSDP (`sharding.full_model` gathers it whole)
-    train_module: torch.nn.Module  # what forward/backward run through: the drafter, or its DDP wrapper
-    teacher: Teacher
-    objective: Objective  # how rows score: `training.depth_weights`, `tv_weight`, `in_vocab_targets_only`
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    autocast: Any  # bf16 autocast under `training.precision` bf16, None for fp32
-    precision: str  # what `training.precision` resolved to on this device
-    total_steps: int
-    prompts: list[torch.Tensor]
-    ckpt_root: Path  # training checkpoints (the export goes to out_dir/export)
-    # Who measures acceptance length and whether the vLLM publish gate runs (`setup` resolves the spec's).
-    engines: Engines = field(
-        default_factory=lambda: Engines(ours=True, vllm=False, gate_off_reason="no serving check configured")
-    )
-    judge: VllmJudge | None = None  # vLLM on the evaluation prompts (rank 0, when `engines` needs it)
-    prompt_categories: list[str | None] = field(default_factory=list)  # per prompt, where they have one
-
-
-@dataclass
-class Progress:
-    """Where the loop stands: what a checkpoint records and the result reports."""
-
-    step: int = 0
-    epoch: int = 0
-    bins_done: int = 0  # the epoch's packed rows consumed so far, over all ranks
-    metrics: dict[str, Any] = field(default_factory=dict)  # the last step's
-    checkpoint: Path | None = None  # the newest training checkpoint
-    evaluation: EvaluationReport | None = None  # the last evaluation's
-    stopped: bool = False
-    nonfinite_steps: int = 0  # consecutive steps whose loss or gradient norm was NaN/infinite
-
-    @classmethod
-    def resumed(cls, state: TrainingState | None) -> Progress:
-        """Progress at a restored checkpoint's data position (the start when there is none)."""
-        if state is None:
-            return cls()
-        at = state.position
-        return cls(step=at.step, epoch=at.epoch, bins_done=at.bins_done, checkpoint=state.path)
-
-    def running(self, total_steps: int) -> bool:
-        return not self.stopped and self.step < total_steps
-
-    def advance(self, step_bins: int) -> None:
-        """One optimizer step over `step_bins` packed rows (all ranks together) is done."""
-        self.step += 1
-        self.bins_done += step_bins
+__all__ = ["Hooks", "Progress", "Trainer", "forward_backward", "setup", "train", "train_step"]
 
 
 # ------------------------------------------------------------------------------------------------ train
@@ -193,8 +70,8 @@ def train(
         dist_utils.barrier(info)
         return result
     finally:
-        if run is not None and run.judge is not None:
-            run.judge.close()
+        if run is not None:
+            run.close()  # the vLLM judge's engine
         run = None  # the DDP/FSDP wrappers go before the process group (`dist_utils.shutdown`)
         dist_utils.shutdown()
 
@@ -204,15 +81,14 @@ def _train(run: Trainer, progress: Progress) -> PipelineResult:
     spec, tc, hooks = run.spec, run.spec.training, run.hooks
     hooks.event("train", "training", total_steps=run.total_steps, world_size=run.info.world_size)
     run.model.train()
-    counters = run_start = run.source.counters()
+    counters = run_start = run.data.source.counters()
     started, first_step = time.monotonic(), progress.step
     rows_per_step, info = global_batch_bins(spec), run.info
     while progress.running(run.total_steps) and progress.epoch < tc.epochs:
-        bins = epoch_bins(run.train_idx, list(run.dataset.lengths), spec, progress.epoch)
+        bins = run.data.epoch_bins(progress.epoch)
         shards = step_shards(len(bins), progress.bins_done, rows_per_step, info.rank, info.world_size)
         rows = [bins[b] for shard in shards for b in shard.bins]
-        loader = BatchLoader(run.dataset, run.source, rows, total_seq_len=tc.total_seq_len)
-        with contextlib.closing(iter(loader)) as batches:
+        with contextlib.closing(iter(run.data.loader(rows))) as batches:
             for shard in shards:
                 if not progress.running(run.total_steps):
                     break
@@ -229,120 +105,39 @@ def _train(run: Trainer, progress: Progress) -> PipelineResult:
                 hooks.report(progress.metrics)
                 check_divergence(run, progress)
                 progress.stopped = hooks.stop_requested(run.device)
-                evaluation = maybe_evaluate(run, progress)
-                maybe_checkpoint(run, progress, evaluation, epoch_len=len(bins))
+                evaluation = run.evaluator.maybe_evaluate(run.model, progress.step, run.total_steps)
+                progress.evaluation = evaluation or progress.evaluation
+                run.checkpointer.maybe_save(
+                    progress, evaluation, epoch_len=len(bins), total_steps=run.total_steps
+                )
         # Closing the loader joined its thread, so the source's counters are final for this epoch.
         if not progress.stopped:
             counters = end_epoch(run, progress, epoch_len=len(bins), counters=counters)
-    run.source.close()  # a hybrid run that ended mid-epoch still keeps what it computed
-    totals = dist_utils.sum_across_ranks(_delta(run.source.counters(), run_start), run.info, run.device)
+    return finish(run, progress, run_start)
 
+
+def finish(run: Trainer, progress: Progress, run_start: dict[str, int]) -> PipelineResult:
+    """The run's result: where it stopped, or the published export with its evaluation and verdict; with
+    the hidden-state source's counters since `run_start`, summed over ranks."""
+    run.data.source.close()  # a hybrid run that ended mid-epoch still keeps what it computed
+    totals = dist_utils.sum_across_ranks(_delta(run.data.source.counters(), run_start), run.info, run.device)
     whole = sharding.full_model(run.model, run.info)  # a collective under FSDP
     result = PipelineResult(
         "stopped", progress.step, progress.checkpoint, model=whole if whole is not None else run.model
     )
     if progress.stopped:
-        hooks.event("stopped", f"stopped at step {progress.step}", step=progress.step)
+        run.hooks.event("stopped", f"stopped at step {progress.step}", step=progress.step)
         result.metrics = {**progress.metrics, **totals}
-    else:
-        result.status = "completed"
-        result.export_dir, result.evaluation, result.serving = export_drafter(run, progress, whole)
-        result.metrics = {**progress.metrics, **_eval_summary(progress.evaluation), **totals}
+        return result
+    if progress.evaluation is None:  # resumed from the final checkpoint: its evaluation is not in memory
+        progress.evaluation = run.evaluator.evaluate(run.model, progress.step)
+    result.status = "completed"
+    result.export_dir, result.evaluation, result.serving = run.publisher.publish(
+        whole, progress.step, progress.evaluation, loss=progress.metrics.get("loss")
+    )
+    progress.evaluation = result.evaluation or progress.evaluation  # the final metrics read the speed-up
+    result.metrics = {**progress.metrics, **eval_summary(progress.evaluation), **totals}
     return result
-
-
-# ------------------------------------------------------------------------------------------------ setup
-
-
-def setup(
-    spec: JobSpec,
-    out_dir: Path,
-    info: dist_utils.DistInfo,
-    hooks: Hooks,
-    *,
-    resume: bool,
-    dataset_dir: str | Path,
-    cache_dir: str | Path | None,
-) -> tuple[Trainer, Progress]:
-    """Data, hidden states, drafter, teacher, optimizer and schedule; restored from the newest checkpoint
-    under `out_dir` when `resume` finds one."""
-    tc = spec.training
-    device = dist_utils.device_for(info)
-    if device.type == "cpu":
-        keep_freed_memory()
-    dataset = PreparedDataset.open(dataset_dir)  # the pipeline's prepare stage made it
-    train_idx, val_idx = dataset.split(spec.dataset.val_fraction, tc.seed)
-    if not train_idx:
-        raise DataError("no training samples left after the validation split", param="dataset.val_fraction")
-    hooks.event("data", "dataset ready", samples=len(dataset), train=len(train_idx), val=len(val_idx))
-
-    verifier = load_verifier(spec, device)
-    cache_root = Path(cache_dir or spec.hidden_states.cache_uri or out_dir / "cache")
-    hooks.event("hidden_states", f"hidden states: {spec.hidden_states.mode}", cache_dir=str(cache_root))
-    source = build_source(spec, dataset, verifier, cache_root, info)
-
-    torch.manual_seed(tc.seed)
-    model = build_model(spec, verifier, dataset, device)
-    teacher = build_teacher(verifier, model, keep_full_lm_head=tc.in_vocab_targets_only)
-    objective = Objective(tc.depth_weights, tc.tv_weight, tc.in_vocab_targets_only)
-    precision = resolve_precision(tc.precision, device)
-    hooks.event(
-        "precision", f"training in {precision} (training.precision: {tc.precision})", precision=precision
-    )
-    train_module = sharding.wrap(model, tc.sharding, info, device, precision=precision)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, tc.optimizer)  # after sharding: FSDP's shards
-    total_steps = count_steps(spec, train_idx, list(dataset.lengths))
-    scheduler = build_scheduler(
-        optimizer,
-        warmup_steps=math.ceil(tc.warmup_ratio * total_steps),
-        total_steps=total_steps,
-        min_lr_ratio=tc.min_lr_ratio,
-    )
-    ckpt_root = out_dir / "checkpoints"
-    restored = None
-    if resume:
-        restored = restore_latest(
-            ckpt_root, module=train_module, optimizer=optimizer, scheduler=scheduler, info=info
-        )
-        if restored is not None:
-            hooks.event(
-                "resume",
-                f"resumed from {restored.path.name} (written by {restored.world_size} ranks, now "
-                f"{info.world_size})",
-                step=restored.position.step,
-                from_world_size=restored.world_size,
-                world_size=info.world_size,
-            )
-
-    prompts = eval_prompts(spec, dataset, val_idx, verifier)
-    categories = eval_categories(spec, dataset, val_idx)
-    engines, judge = build_judge(spec, prompts, device, is_main=info.is_main, categories=categories)
-    run = Trainer(
-        spec=spec,
-        out_dir=out_dir,
-        info=info,
-        device=device,
-        hooks=hooks,
-        dataset=dataset,
-        train_idx=train_idx,
-        verifier=verifier,
-        source=source,
-        model=model,
-        train_module=train_module,
-        teacher=teacher,
-        objective=objective,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        autocast=torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else None,
-        precision=precision,
-        total_steps=total_steps,
-        prompts=prompts,
-        ckpt_root=ckpt_root,
-        engines=engines,
-        judge=judge,
-        prompt_categories=categories,
-    )
-    return run, Progress.resumed(restored)
 
 
 # ------------------------------------------------------------------------------------------- one step
@@ -424,103 +219,7 @@ def train_step(run: Trainer, batches: Iterator[Any], shard: StepShard, *, epoch:
     return {**metrics, "lr": lr, "tokens_per_s": tokens / max(elapsed, 1e-9)}
 
 
-# -------------------------------------------------------------------------------- evaluation and checkpoints
-
-
-def maybe_evaluate(run: Trainer, progress: Progress) -> EvaluationReport | None:
-    """Evaluate every `eval_every_steps` and at the last step; returns this step's report (else None)."""
-    every = run.spec.training.eval_every_steps
-    due = (every is not None and progress.step % every == 0) or progress.step >= run.total_steps
-    if not due:
-        return None
-    result = evaluate_drafter(run, progress.step, final=progress.step >= run.total_steps)
-    if result is not None:
-        progress.evaluation = result
-    return result
-
-
-def evaluate_drafter(run: Trainer, step: int, *, final: bool = True) -> EvaluationReport | None:
-    """Acceptance length at every evaluated K on the held-out prompts (rank 0; None elsewhere, or
-    without prompts): ours, vLLM's spec-decode counters, or both (`evaluation.engine`), with a warning when
-    the two disagree. Only the final evaluation is the `eval` stage; one mid-training is an `evaluation`
-    event within `train`."""
-    if not run.prompts:
-        return None
-    model = sharding.full_model(run.model, run.info)  # a collective under FSDP
-    if model is None or not run.info.is_main:
-        return None
-    ks = run.spec.speculative_tokens
-    engines = [name for name, on in (("peagle", run.engines.ours), ("vllm", run.engines.vllm)) if on]
-    run.hooks.event(
-        "eval" if final else "evaluation",
-        f"evaluating at step {step}",
-        prompts=len(run.prompts),
-        engines=engines,
-    )
-    report = EvaluationReport(step=step, results={k: KResult(k) for k in ks})
-    if run.engines.ours:
-        for k in ks:
-            r, categories = evaluate_ours(run, model, k)
-            ours = {key: v for key, v in r.to_dict().items() if key != "k"}
-            report.results[k].ours = AcceptanceFigures.from_dict(
-                ours | {"categories": categories} if categories else ours
-            )
-            run.hooks.report(
-                {"step": step, f"eval/acceptance_length@{k}": r.acceptance_length}
-                | per_position_metrics("eval/acceptance_rate", k, r.acceptance_rate_per_position)
-            )
-    if run.engines.vllm and run.judge is not None:
-        figures = run.judge.evaluate_model(model, ks, verifier_config=run.verifier.config)
-        for k, fig in figures.items():
-            report.results[k].vllm = AcceptanceFigures.from_dict(fig)
-        report_vllm_figures(run, step, report)
-    return report
-
-
-def evaluate_ours(
-    run: Trainer, model: PEagleDraftModel, k: int
-) -> tuple[EvalResult, dict[str, dict[str, Any]]]:
-    """Our evaluator at K with the whole drafter `model` on the evaluation prompts, and its figures per
-    category where prompts have one (each category decoded apart, then pooled: the pooled figures are the
-    ungrouped ones)."""
-    eos = run.verifier.tokenizer.eos_token_id
-    n = run.spec.evaluation.max_new_tokens
-    groups = category_groups(run.prompt_categories)
-    if not groups:
-        return evaluate(model, run.verifier, run.prompts, k, n, eos), {}
-    parts = {
-        name: evaluate(model, run.verifier, [run.prompts[i] for i in ix], k, n, eos)
-        for name, ix in groups.items()
-    }
-    return pool_eval(parts, groups), eval_categories_figures(parts)
-
-
-def per_position_metrics(prefix: str, k: int, rates: list[float]) -> dict[str, float]:
-    """`{prefix}@K_pos1`, ...: the share of drafts accepted up to each position, as metric-row scalars."""
-    return {f"{prefix}@{k}_pos{j + 1}": rate for j, rate in enumerate(rates)}
-
-
-def report_vllm_figures(run: Trainer, step: int, report: EvaluationReport) -> None:
-    """Report vLLM's acceptance length per K, and warn when it and ours differ by more than 3%."""
-    for k, r in report.results.items():
-        theirs = r.vllm.acceptance_length if r.vllm is not None else None
-        if r.vllm is None or theirs is None:
-            continue
-        run.hooks.report(
-            {"step": step, f"eval/vllm_acceptance_length@{k}": theirs}
-            | per_position_metrics("eval/vllm_acceptance_rate", k, r.vllm.rates)
-        )
-        ours = r.ours.acceptance_length if r.ours is not None else None
-        if ours is not None and agreement_gap(ours, theirs) > GAP_TOLERANCE:
-            run.hooks.event(
-                "eval_gap",
-                f"acceptance length at K={k} is {ours:.3f} here but {theirs:.3f} in vLLM "
-                f"(gap over {GAP_TOLERANCE:.0%}; both run the same greedy chain)",
-                level="warning",
-                k=k,
-                ours=ours,
-                vllm=theirs,
-            )
+# ------------------------------------------------------------------------------------------- bookkeeping
 
 
 def _finite(metrics: dict[str, Any]) -> bool:
@@ -543,47 +242,12 @@ def check_divergence(run: Trainer, progress: Progress) -> None:
     )
 
 
-def maybe_checkpoint(
-    run: Trainer, progress: Progress, evaluation: EvaluationReport | None, *, epoch_len: int
-) -> None:
-    """Save a training checkpoint every `checkpoint_every_steps`, at the last step and when stopping.
-
-    The data position counts the epoch's packed rows consumed (0 of the next epoch when this one is
-    done); with COD's randomness a function of that position, it is all a resume at any world size needs
-    to continue the same trajectory. Nothing is saved during a streak of non-finite steps, so the newest
-    checkpoint is always a good one.
-    """
-    step = progress.step
-    if progress.nonfinite_steps:
-        return
-    if not (
-        progress.stopped or step >= run.total_steps or step % run.spec.training.checkpoint_every_steps == 0
-    ):
-        return
-    at_end = progress.bins_done >= epoch_len
-    position = DataPosition(
-        step=step,
-        epoch=progress.epoch + 1 if at_end else progress.epoch,
-        bins_done=0 if at_end else progress.bins_done,
-    )
-    progress.checkpoint = save_checkpoint(
-        run.ckpt_root,
-        module=run.train_module,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
-        position=position,
-        info=run.info,
-        metrics=progress.metrics,
-        extra_json={"eval.json": evaluation.to_dict()} if evaluation is not None else None,
-    )
-
-
 def end_epoch(
     run: Trainer, progress: Progress, *, epoch_len: int, counters: dict[str, int]
 ) -> dict[str, int]:
     """Report the epoch's hidden-state counters (summed over ranks) and move to the next epoch when this
     one is complete. `counters` are the source's at the epoch's start; returns the current ones."""
-    now = run.source.counters()
+    now = run.data.source.counters()
     stats = dist_utils.sum_across_ranks(_delta(now, counters), run.info, run.device)
     complete = progress.bins_done >= epoch_len
     run.hooks.event(
@@ -599,82 +263,6 @@ def end_epoch(
     return now
 
 
-def _unverified(_checkpoint_dir: Path, reason: str) -> ServingCheck:
-    """The publish gate when vLLM does not judge this export (`reason` says why)."""
-    return ServingCheck.unverified(reason)
-
-
-def export_drafter(
-    run: Trainer, progress: Progress, whole: PEagleDraftModel | None
-) -> tuple[Path | None, EvaluationReport | None, ServingCheck | None]:
-    """Rank 0 writes the validated export of `whole` (the drafter gathered by `sharding.full_model`) to
-    out_dir/export/step_N with eval.json beside it; returns the export directory, its evaluation and the
-    serving verdict (None, None, None on other ranks)."""
-    if progress.evaluation is None:  # resumed from the final checkpoint: its evaluation is not in memory
-        progress.evaluation = evaluate_drafter(run, progress.step)
-    export_dir = evaluation = check = None
-    if run.info.is_main and whole is not None:
-        run.hooks.event("export", "exporting the drafter", step=progress.step)
-        export_dir = run.out_dir / "export" / f"step_{progress.step}"
-        summary = {**_eval_summary(progress.evaluation), "train/loss": progress.metrics.get("loss")}
-        k = max(run.spec.speculative_tokens)
-        export_checkpoint(
-            whole,
-            export_dir,
-            verifier_name_or_path=run.spec.verifier.name_or_path,
-            verifier_config=run.verifier.config,
-            data_fingerprint=run.dataset.fingerprint,
-            metrics={k: v for k, v in summary.items() if v is not None},
-            speculative_tokens=k,
-            dtype=run.spec.export.dtype,
-            serving=publish_gate(run, progress, k),
-        )
-        check = ServingCheck.load(export_dir)  # the verdict the export was published under
-        assert check is not None  # export_checkpoint saves one with every export
-        announce_verdict(run, progress.step, check, k)
-        evaluation = (progress.evaluation or EvaluationReport()).with_serving(check.to_dict())
-        progress.evaluation = evaluation  # the final metrics read the speed-up from it
-        atomic_write_json(export_dir / "eval.json", evaluation.to_dict())
-    dist_utils.barrier(run.info)
-    return export_dir, evaluation, check
-
-
-def publish_gate(run: Trainer, progress: Progress, k: int) -> Callable[[Path], ServingCheck]:
-    """The check an export at K must pass to be published: vLLM's (lossless, acceptance not collapsed
-    against ours at K, speed-ups when asked) where it runs, else an `unverified` verdict saying why."""
-    if not (run.engines.gate and run.judge is not None):
-        return partial(_unverified, reason=run.engines.gate_off_reason or "no serving check was run")
-    run.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=progress.step)
-    ours = progress.evaluation.ours(k) if progress.evaluation is not None else None
-    return partial(
-        run.judge.gate,
-        k=k,
-        # The collapse check: vLLM's acceptance against ours at K on the same prompts.
-        ours=Acceptance.of_figures(ours) if ours is not None else None,
-        measure_speedup=run.spec.evaluation.measure_speedup,
-        speedup_ks=run.spec.speculative_tokens,
-        speedup_batch_sizes=run.spec.evaluation.speedup_batch_sizes,
-        speedup_rounds=run.spec.evaluation.speedup_rounds,
-        # Each timed round as an event with its count: clients show the timing's progress (`peagle jobs logs -f`).
-        on_step=lambda label, done, total: run.hooks.event("serving", label, done=done, total=total),
-    )
-
-
-def announce_verdict(run: Trainer, step: int, check: ServingCheck, k: int) -> None:
-    """A verified export's figures as events and metrics: vLLM's acceptance, speed-up, recommendation."""
-    if check.status != "verified":
-        return
-    run.hooks.event(
-        "serving",
-        f"vLLM served the checkpoint: acceptance length {check.acceptance_length:.3f} at K={k}",
-        serving=check.to_dict(),
-    )
-    if check.speedup and check.speedup.get("speedup") is not None:
-        run.hooks.report({"step": step, f"eval/vllm_speedup@{k}": check.speedup["speedup"]})
-    if (recommendation := ServingRecommendation.of(check.to_dict())) is not None:
-        run.hooks.event("serving", recommendation.sentence(), recommendation=check.recommendation)
-
-
 def _step_metrics(
     sums: dict[str, torch.Tensor], rows: int, grad_norm: torch.Tensor | None, info: dist_utils.DistInfo
 ) -> dict[str, Any]:
@@ -688,22 +276,6 @@ def _step_metrics(
     values = dict(zip(keys, packed.tolist(), strict=True))  # the step's single host sync
     out = {k: (round(v / rows) if k.startswith("positions_") else v / rows) for k, v in values.items()}
     out.update({k: values[k] for k in ("tokens", "grad_norm") if k in values})
-    return out
-
-
-def _eval_summary(report: EvaluationReport | None) -> dict[str, float]:
-    if report is None:
-        return {}
-    out = {}
-    for k, r in report.results.items():
-        if r.ours is not None and r.ours.acceptance_length is not None:
-            out[f"eval/acceptance_length@{k}"] = r.ours.acceptance_length
-        if r.vllm is not None:
-            out[f"eval/vllm_acceptance_length@{k}"] = r.vllm.acceptance_length
-    serving = report.serving
-    speedup = serving.speedup.speedup if serving is not None and serving.speedup is not None else None
-    if speedup is not None:
-        out[f"eval/vllm_speedup@{serving.k}"] = speedup
     return out
 
 
