@@ -180,3 +180,99 @@ def test_references_that_are_gone_are_found() -> None:
 def test_every_backticked_path_in_the_docs_exists(doc: Path) -> None:
     missing = [f"`{ref}`: {why}" for ref in references(doc.read_text()) if (why := problem(ref))]
     assert not missing, f"{doc.relative_to(ROOT)} names code that is not there:\n" + "\n".join(missing)
+
+
+# ------------------------------------------------------------------------------ CLI flags named in the docs
+
+_BENCH_CMD = re.compile(r"bench/(\w+\.py)")
+_PEAGLE_CMD = re.compile(r"(?<![\w/.-])peagle((?:[ \t]+[a-z][a-z-]*)*)")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+_INDENTED = re.compile(r"^(?: {4}|\t)\S.*$", re.M)
+
+
+def command_lines(text: str) -> list[str]:
+    """The code a Markdown text shows, one command line each: inline spans (which may wrap lines), fenced
+    and indented blocks (a trailing `\\` continues the line)."""
+    lines = []
+    for block in re.findall(r"^```.*?\n(.*?)^```", text, re.M | re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    prose = _FENCE.sub("", text)
+    lines += [m.group(0).replace("\\\n", " ") for m in _INDENTED.finditer(prose.replace("\\\n    ", " "))]
+    lines += [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", _INDENTED.sub("", prose))]
+    return lines
+
+
+def named_flags(line: str) -> list[tuple[str, str]]:
+    """(program, flag) for every `--flag` after a bench script (`bench/x.py`) or a `peagle` command
+    (`peagle jobs submit`) in one command line, up to the next program or shell separator."""
+    starts = sorted([(m.start(), m.end(), m.group(1)) for m in _BENCH_CMD.finditer(line)]
+                    + [(m.start(), m.end(), "peagle" + m.group(1)) for m in _PEAGLE_CMD.finditer(line)])  # fmt: skip
+    found = []
+    for i, (_, end, program) in enumerate(starts):
+        rest = line[end : starts[i + 1][0] if i + 1 < len(starts) else len(line)]
+        rest = re.split(r"&&|;| \| ", rest)[0]
+        found += [(" ".join(program.split()), flag) for flag in _FLAG.findall(rest)]
+    return found
+
+
+@functools.cache
+def _peagle_command() -> object:
+    import typer
+
+    from cli import build_app
+
+    return typer.main.get_command(build_app())
+
+
+def peagle_flags(words: list[str]) -> tuple[str, set[str]]:
+    """The `peagle` command the words name (the longest prefix that is one) and every flag it, or any
+    command under it, takes."""
+    cmd, path = _peagle_command(), ["peagle"]
+    for word in words:
+        sub = getattr(cmd, "commands", {}).get(word)
+        if sub is None:
+            break
+        cmd, path = sub, [*path, word]
+    flags, todo = {"--help"}, [cmd]
+    while todo:
+        node = todo.pop()
+        for param in getattr(node, "params", []):
+            flags.update(o for o in [*param.opts, *param.secondary_opts] if o.startswith("--"))
+        todo += list(getattr(node, "commands", {}).values())
+    return " ".join(path), flags
+
+
+def flag_problem(program: str, flag: str) -> str | None:
+    """None when `program` (a bench script's file name, or `peagle ...`) takes `flag`."""
+    if program.startswith("peagle"):
+        name, flags = peagle_flags(program.split()[1:])
+        return None if flag in flags else f"`{name}` has no {flag}"
+    from tests.bench.scripts import script_help
+
+    scripts = script_help()
+    if program not in scripts:
+        return f"no bench script {program}"
+    return None if flag in _FLAG.findall(str(scripts[program]["help"])) else f"bench/{program} has no {flag}"
+
+
+def test_the_flag_finder_reads_commands_wherever_the_docs_show_them() -> None:
+    text = (
+        "Run `bench/real_model.py --drafter DIR\n--ks 2` or `peagle jobs submit SPEC.yaml -f --no-such`.\n\n"
+        "    python bench/scaling.py --budgets 3e5 \\\n        --plot x.png && peagle up --port 1\n\n"
+        "```\npeagle demo --size test\n```\n`--not-a-command`, `peagle-service[vllm]`, `pip install -e .`\n"
+    )
+    found = sorted({pair for line in command_lines(text) for pair in named_flags(line)})
+    assert found == sorted([
+        ("real_model.py", "--drafter"), ("real_model.py", "--ks"), ("peagle jobs submit", "--no-such"),
+        ("scaling.py", "--budgets"), ("scaling.py", "--plot"), ("peagle up", "--port"), ("peagle demo", "--size"),
+    ])  # fmt: skip
+    assert flag_problem("peagle jobs submit", "--follow") is None
+    assert flag_problem("peagle jobs submit SPEC.yaml", "--no-such") is not None
+    assert flag_problem("real_model.py", "--train-data") is not None  # the removed flag the docs once named
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_flag_the_docs_name_is_in_its_parser(doc: Path) -> None:
+    pairs = {pair for line in command_lines(doc.read_text()) for pair in named_flags(line)}
+    wrong = sorted(why for program, flag in pairs if (why := flag_problem(program, flag)))
+    assert not wrong, f"{doc.relative_to(ROOT)} names flags the commands do not take:\n" + "\n".join(wrong)

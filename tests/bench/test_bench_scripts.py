@@ -5,44 +5,19 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
-
-# Each script run as `python bench/x.py --help` would be, one after another in one interpreter, so torch is
-# imported once for all of them; one JSON line per script: its exit code, the help's first line or the error.
-_HELP_ALL = """
-import contextlib, io, json, runpy, sys, traceback
-for script in sys.argv[1:]:
-    sys.argv, out = [script, "--help"], io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    except BaseException:
-        code = traceback.format_exc(limit=-3)
-    print(json.dumps({"script": script, "code": code, "usage": out.getvalue().split("\\n")[0]}), flush=True)
-"""
+from tests.bench.scripts import BENCH, SCRIPTS, script_help
 
 
 def test_every_bench_script_answers_help() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _HELP_ALL, *map(str, SCRIPTS)],
-        capture_output=True, text=True, timeout=300, check=False, cwd=BENCH.parent,
-        env={**os.environ, "PYTHONPATH": f"{BENCH}{os.pathsep}{BENCH.parent}"},
-    )  # fmt: skip
-    results = {Path(r["script"]).name: r for r in map(json.loads, proc.stdout.splitlines())}
-    assert set(results) == {p.name for p in SCRIPTS}, proc.stderr[-3000:]
-    broken = {name: r["code"] for name, r in results.items() if r["code"] != 0 or "usage:" not in r["usage"]}
+    results = script_help()
+    assert set(results) == {p.name for p in SCRIPTS}
+    broken = {
+        name: r["code"] for name, r in results.items() if r["code"] != 0 or "usage:" not in str(r["help"])
+    }
     assert not broken, broken
 
 

@@ -1,0 +1,46 @@
+"""The bench scripts' `--help`, all in one child process (torch is imported once for every script): what
+tests/bench/test_bench_scripts.py runs and tests/test_docs_paths.py reads the flags from."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+# Each script run as `python bench/x.py --help` would be, one after another in one interpreter; one JSON
+# line per script: its exit code (or the error) and what it printed.
+_HELP_ALL = """
+import contextlib, io, json, runpy, sys, traceback
+for script in sys.argv[1:]:
+    sys.argv, out = [script, "--help"], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    except BaseException:
+        code = traceback.format_exc(limit=-3)
+    print(json.dumps({"script": script, "code": code, "help": out.getvalue()}), flush=True)
+"""
+
+
+@functools.cache
+def script_help() -> dict[str, dict[str, object]]:
+    """{script file name: {"code": exit code or traceback, "help": its --help text}} for every script."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELP_ALL, *map(str, SCRIPTS)],
+        capture_output=True, text=True, timeout=300, check=False, cwd=BENCH.parent,
+        env={**os.environ, "PYTHONPATH": f"{BENCH}{os.pathsep}{BENCH.parent}"},
+    )  # fmt: skip
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"script"')]
+    found = {Path(r["script"]).name: r for r in lines}
+    if set(found) != {p.name for p in SCRIPTS}:
+        raise AssertionError(f"the --help child stopped early:\n{proc.stderr[-3000:]}")
+    return found
