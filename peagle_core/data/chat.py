@@ -1,14 +1,18 @@
-"""Chat-template rendering and exact assistant loss masks.
+"""Chat-template rendering and exact assistant loss masks, in time linear in the conversation.
 
-With `{% generation %}` markers in the template, HF's assistant mask is used. Otherwise each assistant turn
-is located by rendering prefixes: the turn's tokens are those between `render(messages[:i], gen_prompt)`
-and `render(messages[:i+1])` in the full conversation's tokens.
+With `{% generation %}` markers in the template, HF's assistant mask is used. Otherwise an assistant turn's
+tokens are those between `render(messages[:i], gen_prompt)` and `render(messages[:i+1])` in the full
+conversation's tokens (common prefixes, so a tokenizer merging across a turn boundary is handled). The
+conversation is tokenized once, only up to `max_tokens`; a prefix's tokens are read off it, re-tokenizing
+only the text after its last added token (`peagle_core.data.tokens`).
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
+from peagle_core.data.tokens import PrefixTokenizer, prefix_tokenizer
 from peagle_core.errors import DataError
 
 
@@ -42,8 +46,61 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _mask_by_prefixes(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    ids = encode(tokenizer, render(tokenizer, messages))
+def _common_chars(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings (string compares run in C; a bisection)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _mask_by_offsets(
+    tokenizer: Any, messages: list[dict[str, str]], max_tokens: int | None
+) -> tuple[list[int], list[int]]:
+    """`_mask_by_prefixes`' spans, rendering the conversation once and tokenizing it up to `max_tokens`.
+
+    Turns are taken in order and stop at the first that starts past `max_tokens`, so a many-turn row costs
+    what its first `max_tokens` tokens do, plus one render.
+    """
+    enc = prefix_tokenizer(tokenizer)
+    text = render(tokenizer, messages)
+    full = enc.encode(text, max_tokens)
+    limit = len(full.ids)
+    ends = [e for _, _, e in full.added]
+
+    def shared(other: str) -> int:
+        """`_common_prefix(ids, encode(other))`, at most `limit`: the tokens before the last added token
+        that `other` shares with `text` are the same in both, so only the rest of `other` is tokenized."""
+        k = bisect.bisect_right(ends, _common_chars(text, other)) - 1
+        base, at = (full.added[k][0], full.added[k][1]) if k >= 0 else (0, 0)
+        if base >= limit:
+            return limit
+        return base + _common_prefix(full.ids[base:], enc.encode(other[at:], limit - base).ids)
+
+    mask = [0] * limit
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = shared(render(tokenizer, messages[:i], add_generation_prompt=True))
+        if start >= limit:
+            break
+        end = shared(render(tokenizer, messages[: i + 1]))
+        mask[start:end] = [1] * max(0, end - start)
+    return full.ids, mask
+
+
+def _mask_by_prefixes(
+    tokenizer: Any, messages: list[dict[str, str]], max_tokens: int | None
+) -> tuple[list[int], list[int]]:
+    """For tokenizers without offsets: each prefix rendered and tokenized whole (turns stop at `max_tokens`)."""
+    ids = encode(tokenizer, render(tokenizer, messages))[:max_tokens]
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -52,6 +109,8 @@ def _mask_by_prefixes(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[l
         start = _common_prefix(
             ids, encode(tokenizer, render(tokenizer, messages[:i], add_generation_prompt=True))
         )
+        if start >= len(ids):
+            break
         end = _common_prefix(ids, encode(tokenizer, render(tokenizer, messages[: i + 1])))
         for t in range(start, end):
             mask[t] = 1
@@ -68,13 +127,17 @@ def _mask_by_markers(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[li
 
 
 def tokenize_conversation(
-    tokenizer: Any, messages: list[dict[str, str]], line: int | None = None
+    tokenizer: Any, messages: list[dict[str, str]], line: int | None = None, max_tokens: int | None = None
 ) -> tuple[list[int], list[int]]:
-    """`(input_ids, loss_mask)` of a conversation; the mask is 1 exactly on assistant-turn tokens."""
+    """`(input_ids, loss_mask)` of a conversation, its first `max_tokens` tokens (all when None); the mask is 1
+    exactly on assistant-turn tokens."""
     try:
         if has_generation_markers(tokenizer):
-            return _mask_by_markers(tokenizer, messages)
-        return _mask_by_prefixes(tokenizer, messages)
+            ids, mask = _mask_by_markers(tokenizer, messages)
+            return ids[:max_tokens], mask[:max_tokens]
+        if PrefixTokenizer.supports(tokenizer):
+            return _mask_by_offsets(tokenizer, messages, max_tokens)
+        return _mask_by_prefixes(tokenizer, messages, max_tokens)
     except DataError:
         raise
     except Exception as exc:  # a template's raise_exception, or a tokenizer without a template

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ VOCAB = "vocab.safetensors"
 MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>")
 # Aligned index t trains on token t+2 (docs/interfaces.md), so the first two tokens never count.
 _UNTRAINABLE_PREFIX = 2
+_SKIPPED_LINES_KEPT = 20  # line numbers of skipped rows the manifest names
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -93,6 +96,21 @@ def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote
     return tokenizer, config.get_text_config(), (local if local.is_dir() else None)
 
 
+class PrepareStopped(Exception):
+    """`prepare_dataset` ended early because its `should_stop` asked; nothing was written."""
+
+
+@dataclass
+class _Rows:
+    """Each kept row's token ids and loss mask (truncated to `seq_len`), the rows' format, and the lines of
+    the rows skipped for having no assistant token within `seq_len`."""
+
+    ids: list[torch.Tensor] = field(default_factory=list)
+    masks: list[torch.Tensor] = field(default_factory=list)
+    source_format: str | None = None
+    skipped: list[int] = field(default_factory=list)
+
+
 def _tokenize_rows(
     tokenizer: Any,
     data_path: Path,
@@ -101,18 +119,19 @@ def _tokenize_rows(
     seq_len: int,
     vocab_size: int,
     max_samples: int | None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], str | None]:
-    """Each row's token ids and loss mask, truncated to `seq_len`, and the rows' format; DataError naming
-    the line of a row out of the verifier's vocabulary or with nothing left to train on."""
-    source_format = None
-    all_ids: list[torch.Tensor] = []
-    all_masks: list[torch.Tensor] = []
+    should_stop: Callable[[], bool] | None = None,
+) -> _Rows:
+    """Tokenize and mask each row up to `seq_len`; DataError naming the line of a row out of the verifier's
+    vocabulary. `should_stop` is asked before every row (PrepareStopped)."""
+    rows = _Rows()
     for row_format, row in iter_rows(data_path, fmt, max_line_bytes):
-        if max_samples is not None and len(all_ids) >= max_samples:
+        if max_samples is not None and len(rows.ids) >= max_samples:
             break
-        source_format = row_format
+        if should_stop is not None and should_stop():
+            raise PrepareStopped(f"stopped at line {row.line}")
+        rows.source_format = row_format
         if row.messages is not None:
-            ids, mask = tokenize_conversation(tokenizer, row.messages, line=row.line)
+            ids, mask = tokenize_conversation(tokenizer, row.messages, line=row.line, max_tokens=seq_len)
         else:
             ids, mask = row.input_ids, row.loss_mask
             too_big = [t for t in ids if t >= vocab_size]
@@ -122,15 +141,27 @@ def _tokenize_rows(
                     param=f"line {row.line}",
                 )
         ids, mask = ids[:seq_len], mask[:seq_len]
+        # A conversation whose first answer starts past seq_len has nothing to train on: one such row
+        # of many is left out (and counted), not a reason to fail the job.
         if not any(mask[_UNTRAINABLE_PREFIX:]):
-            raise DataError(
-                f"line {row.line}: no assistant token left to train on within seq_len={seq_len} "
-                f"({len(ids)} tokens kept); raise seq_len or shorten the prompt",
-                param=f"line {row.line}",
-            )
-        all_ids.append(torch.tensor(ids, dtype=torch.int32))
-        all_masks.append(torch.tensor(mask, dtype=torch.uint8))
-    return all_ids, all_masks, source_format
+            rows.skipped.append(row.line)
+            continue
+        rows.ids.append(torch.tensor(ids, dtype=torch.int32))
+        rows.masks.append(torch.tensor(mask, dtype=torch.uint8))
+    return rows
+
+
+def skipped_rows_note(manifest: dict[str, Any]) -> str | None:
+    """One line saying which rows a preparation left out (None when it kept every row)."""
+    n = manifest.get("skipped_rows", 0)
+    if not n:
+        return None
+    lines = ", ".join(map(str, manifest.get("skipped_lines", [])))
+    more = ", ..." if n > len(manifest.get("skipped_lines", [])) else ""
+    return (
+        f"skipped {n} row(s) with no assistant token within seq_len={manifest['seq_len']} "
+        f"(line {lines}{more})"
+    )
 
 
 def prepare_dataset(
@@ -144,13 +175,17 @@ def prepare_dataset(
     revision: str | None = None,
     trust_remote_code: bool = False,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    should_stop: Callable[[], bool] | None = None,
 ) -> PreparedDataset:
     """Tokenize, mask and truncate a JSONL dataset with the verifier's tokenizer; write it to `out_dir`.
 
     The file is read one line at a time (each at most `max_line_bytes`) and every row is kept only as
-    its compact token tensors, so memory follows the tokens kept, not the JSON text. Raises DataError
-    naming the line for any bad row (including one with no trainable token left after truncation),
-    before anything is written. `data_path` given as an `InputFile` is not hashed again.
+    its compact token tensors, so memory follows the tokens kept, not the JSON text; a row costs time in
+    proportion to its size, however many turns it has. Raises DataError naming the line for any bad
+    row, before anything is written. A row with no trainable token within `seq_len` is left out and
+    counted in the manifest (`skipped_rows`, `skipped_lines`); DataError when that leaves no row.
+    `should_stop` is asked before each row: PrepareStopped, with nothing written. `data_path` given as
+    an `InputFile` is not hashed again.
     """
     if seq_len < _UNTRAINABLE_PREFIX + 1:
         raise DataError(f"seq_len must be >= {_UNTRAINABLE_PREFIX + 1}, got {seq_len}", param="seq_len")
@@ -160,11 +195,21 @@ def prepare_dataset(
         str(verifier_path), revision, trust_remote_code
     )
     vocab_size = int(config.vocab_size)
-    all_ids, all_masks, source_format = _tokenize_rows(
-        tokenizer, data_path, fmt, max_line_bytes, seq_len, vocab_size, max_samples
+    rows = _tokenize_rows(
+        tokenizer, data_path, fmt, max_line_bytes, seq_len, vocab_size, max_samples, should_stop
     )
+    all_ids, all_masks, source_format = rows.ids, rows.masks, rows.source_format
+    if rows.skipped and not all_ids:
+        raise DataError(
+            f"no row has an assistant token to train on within seq_len={seq_len} ({len(rows.skipped)} "
+            f"row(s), from line {rows.skipped[0]}); raise dataset.seq_len or shorten the prompts",
+            param="dataset.seq_len",
+        )
     if not all_ids:
         raise DataError(f"{data_path}: the dataset has no rows", param="data")
+    if rows.skipped:
+        log.warning("%s: %d row(s) with nothing to train on within seq_len=%d left out (lines %s)",
+                    data_path, len(rows.skipped), seq_len, rows.skipped[:_SKIPPED_LINES_KEPT])  # fmt: skip
 
     input_ids = torch.cat(all_ids)
     loss_mask = torch.cat(all_masks)
@@ -185,6 +230,8 @@ def prepare_dataset(
         "num_samples": len(all_ids),
         "num_tokens": int(input_ids.numel()),
         "num_loss_tokens": num_loss,
+        "skipped_rows": len(rows.skipped),
+        "skipped_lines": rows.skipped[:_SKIPPED_LINES_KEPT],
         "seq_len": seq_len,
         "max_samples": max_samples,
         "source_format": source_format,
@@ -210,6 +257,7 @@ def prepare_for_spec(
     data_path: str | Path | InputFile,
     out_dir: str | Path,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    should_stop: Callable[[], bool] | None = None,
 ) -> PreparedDataset:
     """`prepare_dataset` with the verifier, sequence length, format and vocabulary of a job spec."""
     return prepare_dataset(
@@ -223,6 +271,7 @@ def prepare_for_spec(
         revision=spec.verifier.revision,
         trust_remote_code=spec.verifier.trust_remote_code,
         max_line_bytes=max_line_bytes,
+        should_stop=should_stop,
     )
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from peagle_core.cli import build_app
 from peagle_core.data import PreparedDataset, prepare_dataset, validate_jsonl
 from peagle_core.data.chat import has_generation_markers, tokenize_conversation
+from peagle_core.data.prepare import skipped_rows_note
 from peagle_core.data.vocab import build_draft_vocab
 from peagle_core.errors import DataError
 
@@ -213,17 +214,25 @@ def test_validate_reports_rows_and_format(tmp_path: Path) -> None:
         validate_jsonl(path, fmt="tokenized")
 
 
-def test_prepare_refuses_rows_with_nothing_trainable(toy_verifier_dir: Path, tmp_path: Path) -> None:
+def test_rows_with_nothing_trainable_are_skipped_and_counted(toy_verifier_dir: Path, tmp_path: Path) -> None:
     long_prompt = {
         "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
     }
-    path = _write(tmp_path / "d.jsonl", [{"messages": CONV}, long_prompt])
-    with pytest.raises(DataError, match=r"line 2: no assistant token left to train on within seq_len=64"):
-        prepare_dataset(toy_verifier_dir, path, tmp_path / "out", seq_len=64)
-    assert not (tmp_path / "out").exists()  # nothing half-written
+    path = _write(tmp_path / "d.jsonl", [{"messages": CONV}, long_prompt, {"messages": CONV}, long_prompt])
+    ds = prepare_dataset(toy_verifier_dir, path, tmp_path / "out", seq_len=64)
+    assert len(ds) == 2 and (ds.manifest["skipped_rows"], ds.manifest["skipped_lines"]) == (2, [2, 4])
+    assert skipped_rows_note(ds.manifest) == (
+        "skipped 2 row(s) with no assistant token within seq_len=64 (line 2, 4)"
+    )
+    only_long = _write(tmp_path / "long.jsonl", [long_prompt])
+    with pytest.raises(
+        DataError, match=r"no row has an assistant token .* seq_len=64 \(1 row\(s\), from line 1\)"
+    ):
+        prepare_dataset(toy_verifier_dir, only_long, tmp_path / "none", seq_len=64)
+    assert not (tmp_path / "none").exists()  # nothing half-written
     oov = _write(tmp_path / "oov.jsonl", [{"input_ids": [1, 99999, 3], "loss_mask": [0, 1, 1]}])
     with pytest.raises(DataError, match="line 1: token id 99999 is outside"):
-        prepare_dataset(toy_verifier_dir, oov, tmp_path / "out", seq_len=64)
+        prepare_dataset(toy_verifier_dir, oov, tmp_path / "out2", seq_len=64)
 
 
 def test_cli_prepare_and_its_one_line_error(toy_verifier_dir: Path, tmp_path: Path) -> None:
