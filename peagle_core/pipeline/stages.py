@@ -319,9 +319,10 @@ class Pipeline:
 
     # -- prepare -----------------------------------------------------------------------------------
 
-    def prepare(self, source: InputFile) -> Path:
-        """The prepared dataset directory, shared by every job with the same stage key."""
-        from peagle_core.data.prepare import MANIFEST, prepare_for_spec
+    def prepare(self, source: InputFile) -> Path | None:
+        """The prepared dataset directory, shared by every job with the same stage key; None when a stop
+        request ended it."""
+        from peagle_core.data.prepare import MANIFEST, PrepareStopped, prepare_for_spec, skipped_rows_note
 
         self.cb.event(PREPARE, "preparing data")
         key, local = self._location("prepared", PREPARE)
@@ -334,8 +335,15 @@ class Pipeline:
             self.cb.log(PREPARE, "reusing prepared data", reused=True, dataset=key.rsplit("/", 1)[-1][:12])
             self.cb.stored("prepared", key, target)
             return target
-        with atomic_dir(target) as tmp:
-            prepare_for_spec(self.spec, source, tmp, max_line_bytes=self.max_line_bytes)
+        try:
+            with atomic_dir(target) as tmp:
+                manifest = prepare_for_spec(self.spec, source, tmp, max_line_bytes=self.max_line_bytes,
+                                            should_stop=self.cb.should_stop).manifest  # fmt: skip
+        except PrepareStopped as stop:
+            self.cb.log(PREPARE, f"data preparation {stop}")
+            return None
+        if (note := skipped_rows_note(manifest)) is not None:
+            self.cb.log(PREPARE, note, level="warning", skipped_rows=manifest["skipped_rows"])
         if local is None:
             self.store.publish_dir(target, key)
         self.cb.stored("prepared", key, target)
