@@ -109,8 +109,9 @@ class Job(_Out):
     queue: str
     progress: dict[str, Any] | None = Field(
         description="stage, step, total_steps, eta_s (while running); once succeeded with "
-        "`evaluation.measure_speedup`, `recommendation`: the K to serve the drafter with (`k`, null when no "
-        "K beat plain decoding), the best speed-ups per batch size beside vLLM's ngram, and a `sentence`."
+        "`evaluation.measure_speedup`, `recommendation`: the drafter's `method` (peagle or eagle3, which the serve "
+        "command depends on), the K to serve it with (`k`, null when no K beat plain decoding), the best "
+        "speed-ups per batch size beside vLLM's ngram, and a `sentence` naming both."
     )
     error: dict[str, Any] | None = Field(
         description="Set when the job failed: `code` (stable), `message` (actionable, never a traceback) and "

@@ -290,6 +290,7 @@ def checkpoint_cards(job: Job, checkpoints: list[Checkpoint]) -> list[Checkpoint
         (spec.get("model") or {}).get("num_depths", 4)
     ]
     verifier = (spec.get("verifier") or {}).get("name_or_path", "VERIFIER")
+    method = (spec.get("model") or {}).get("method", "peagle")  # EAGLE-3 is served without parallel drafting
     cards = []
     for c in checkpoints:
         recommendation = serving_recommendation(c)
@@ -300,7 +301,7 @@ def checkpoint_cards(job: Job, checkpoints: list[Checkpoint]) -> list[Checkpoint
                 acceptance=checkpoint_acceptance(c),
                 vllm=vllm_acceptance(c),
                 # The archive unpacks into a directory named after the checkpoint.
-                command=serve_command(verifier, f"./{c.id}", k),
+                command=serve_command(verifier, f"./{c.id}", k, method=method),
                 positions=acceptance_by_position(c),
                 categories=acceptance_by_category(c),
                 speedup=vllm_speedup(c),

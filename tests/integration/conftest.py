@@ -1,7 +1,8 @@
 """Drafters of every shape vLLM must serve, trained briefly on the toy verifier and exported as users get them.
 
-Two drafters cover the shapes the serving tests need: full vocabulary with four layers and
-`norm_before_residual` (K = 1..4), and a reduced draft vocabulary with one layer and without it (K = 1..3).
+Three drafters cover the shapes the serving tests need: full vocabulary with four layers and
+`norm_before_residual` (K = 1..4), a reduced draft vocabulary with one layer and without it (K = 1..3),
+and an EAGLE-3 drafter (`model.method: eagle3`, served without parallel drafting) of the second's shape.
 The second trains longer on a larger slice of the toy corpus (600 conversations; on the suite's 64 its
 acceptance length on the serving prompts was 1.14 at K=3, on 600 1.59), so that the comparison of our
 figure with vLLM's, and the gate's collapse check, mean something. It trains in bf16
@@ -30,11 +31,13 @@ class Shape:
     steps: int
     conversations: int  # of the toy corpus it trains on
     precision: str  # training.precision
+    method: str = "peagle"  # model.method
 
 
 SHAPES = (
     Shape("full-vocab-4-layers", 4, 4, None, True, 20, 64, "fp32"),
     Shape("draft-vocab-1-layer", 1, 3, 256, False, 200, 600, "bf16"),
+    Shape("eagle3-draft-vocab-1-layer", 1, 3, 256, False, 120, 600, "fp32", method="eagle3"),
 )
 
 
@@ -66,6 +69,7 @@ def exported_drafters(
             "num_depths": shape.num_depths,
             "draft_vocab_size": shape.draft_vocab_size,
             "norm_before_residual": shape.norm_before_residual,
+            "method": shape.method,
         }
         raw["evaluation"] |= {"speculative_tokens": [shape.num_depths]}
         spec = parse_spec(raw)

@@ -255,6 +255,6 @@ def test_the_judge_reports_categories_and_vllms_speedups_and_how_to_serve(
     beats = [b for b in rec.batches if b.best_speedup > 1.0]
     if beats:
         assert rec.k == beats[0].best_k
-        assert rec.sentence().startswith(f"serve with num_speculative_tokens={rec.k}:")
+        assert rec.sentence().startswith(f"serve the P-EAGLE drafter with num_speculative_tokens={rec.k}:")
     else:
         assert rec.k is None and rec.sentence().startswith("no num_speculative_tokens beat plain decoding")

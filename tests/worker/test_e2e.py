@@ -119,7 +119,7 @@ def assert_serving_recommendation_shown(stack: Stack, job_id: str, serving: dict
     assert rec.k == (2 if beats else None)
     sentence = rec.sentence()
     assert sentence.startswith(
-        "serve with num_speculative_tokens=2:" if beats else "no num_speculative_tokens"
+        "serve the P-EAGLE drafter with num_speculative_tokens=2:" if beats else "no num_speculative_tokens"
     )
 
     with stack.sessions() as s:
