@@ -34,7 +34,11 @@ class Publisher:
     evaluator: Evaluator  # its judge, and the engines resolved for the run
 
     def publish(
-        self, whole: PEagleDraftModel | None, step: int, evaluation: EvaluationReport | None, loss: Any
+        self,
+        whole: PEagleDraftModel | None,
+        step: int,
+        evaluation: EvaluationReport | None,
+        loss: float | None,
     ) -> tuple[Path | None, EvaluationReport | None, ServingCheck | None]:
         """Rank 0 writes the validated export of `whole` (the drafter gathered by `sharding.full_model`) to
         root/step_N with eval.json beside it; returns the export directory, its evaluation with the serving
