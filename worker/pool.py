@@ -53,6 +53,10 @@ def group_gpus(gpus: list[str], per_worker: int) -> list[str]:
     return [",".join(g) for g in groups if len(g) == per_worker]
 
 
+# How long RQ's command listener (stop-job requests) waits per poll: also how long it takes to stop.
+COMMAND_POLL_S = 1.0
+
+
 def _peagle_worker_class() -> type:
     from rq import Worker
 
@@ -60,7 +64,18 @@ def _peagle_worker_class() -> type:
 
     class PeagleWorker(Worker):
         """RQ's forking worker, plus: a warm shutdown asks the running job to checkpoint and requeue
-        (instead of waiting hours for it to finish)."""
+        (instead of waiting hours for it to finish), and the command listener stops within a second."""
+
+        def subscribe(self) -> None:
+            # RQ's own listener waits up to 60 s per poll, and its shutdown joins the listener without a
+            # timeout: when the UNSUBSCRIBE reply wakes the poll before the stop flag is set, the listener
+            # polls again and the worker lingers 60 s after SIGTERM (measured: 1 shutdown in 6).
+            self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+            self.pubsub = self.connection.pubsub()
+            self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+            self.pubsub_thread = self.pubsub.run_in_thread(
+                sleep_time=COMMAND_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler
+            )
 
         def handle_warm_shutdown_request(self) -> None:
             super().handle_warm_shutdown_request()
