@@ -13,6 +13,7 @@ from service.api import errors, schemas
 from service.api.actions import is_dataset_upload
 from service.api.auth_limit import build_limiter
 from service.api.body_limit import BodyLimitMiddleware
+from service.api.body_route import BodyRoute
 from service.api.fair_share import FairShareMiddleware
 from service.api.quotas import StreamSlots
 from service.api.request_text import check_request_text
@@ -49,6 +50,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Every route's path and query strings pass the one text rule before anything reads them.
         dependencies=[Depends(check_request_text)],
     )
+    # Routes added on the app itself (the dashboard's redirects) check bodies as every router's do.
+    app.router.route_class = BodyRoute
     app.state.settings = settings
     app.state.sessions = session_factory(settings.database_url)
     app.state.redis = redis_from_url(settings.redis_url)

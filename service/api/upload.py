@@ -20,6 +20,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from service.api.errors import ApiError
+from service.api.framing import malformed_body, multipart_boundary
 from service.api.request_text import check_name
 
 # Chunks handed to the parsing thread at once: one thread hop per MiB instead of per 64 KiB chunk.
@@ -114,10 +115,13 @@ async def spool_multipart_file(
 
     On any error `dest` is removed.
     """
-    ctype, opts = parse_options_header(request.headers.get("content-type", ""))
-    if ctype != b"multipart/form-data" or b"boundary" not in opts:
+    boundary = multipart_boundary(request.headers.get("content-type", ""))  # 400 when malformed
+    if boundary is None:
         raise ApiError(
-            415, "send the dataset as multipart/form-data with a `file` field", code="unsupported_media_type"
+            415,
+            "send the dataset as multipart/form-data with a `file` field",
+            code="unsupported_media_type",
+            param="Content-Type",
         )
     declared = request.headers.get("content-length")
     # Multipart framing adds well under 64 KiB; a larger declared body can be refused unread.
@@ -126,13 +130,13 @@ async def spool_multipart_file(
             raise over_limit(max_bytes)
         raise ApiError(413, f"the upload exceeds the limit of {max_bytes} bytes", param=field)
     part = _FilePart(field, dest, max_bytes, over_limit)
-    parser = MultipartParser(opts[b"boundary"], part.callbacks())
 
     def feed(chunks: list[bytes]) -> None:
         for chunk in chunks:
             parser.write(chunk)
 
     try:
+        parser = MultipartParser(boundary, part.callbacks())
         batch: list[bytes] = []
         pending = 0
         async for chunk in request.stream():
@@ -147,7 +151,7 @@ async def spool_multipart_file(
         part.close()
         with contextlib.suppress(OSError):
             dest.unlink()
-        raise ApiError(400, f"malformed multipart body: {exc}", code="malformed_body") from None
+        raise malformed_body(exc) from None
     except BaseException:
         part.close()
         with contextlib.suppress(OSError):

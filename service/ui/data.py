@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from service.api import actions, schemas
+from service.api.body_route import BodyRoute
 from service.api.deps import DB, AppSettings, Sessions, Store
 from service.api.errors import not_found
 from service.api.routes import checkpoints as checkpoints_api
@@ -22,7 +23,7 @@ from service.crud import jobs as jobs_crud
 from service.crud import metrics as metrics_crud
 from service.ui.session import CsrfHeader, UiProject
 
-router = APIRouter(prefix="/ui", include_in_schema=False)
+router = APIRouter(prefix="/ui", include_in_schema=False, route_class=BodyRoute)
 
 
 @functools.cache

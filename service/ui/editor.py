@@ -1,8 +1,9 @@
 """The job editor's checks: YAML text -> JobSpec, every problem tied to its dotted field and YAML line.
 
 Validation is the API's own: `peagle_core.spec.parse_spec` (the JobSpec model whose JSON schema the API
-publishes) and `service.api.admission.admit_spec` (server paths, queues, trackers), so the editor accepts
-exactly what `POST /v1/jobs` accepts.
+publishes) and `service.api.admission.admit_spec` (server paths, queues, trackers, the size cap), so the
+editor accepts exactly what `POST /v1/jobs` accepts. The YAML is capped by what it decodes to (aliases
+expanded), as a JSON body is: 64 KiB of text may not stand for megabytes of spec.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import yaml
 from peagle_core.documents import DocumentError, load_yaml
 from peagle_core.spec import JobSpec, SpecError, parse_spec
 from service.api.admission import admit_spec
+from service.api.doc_size import bounded_yaml_loader, check_spec_size
 from service.api.errors import ApiError
 from service.settings import Settings
 
@@ -75,21 +77,27 @@ def errors_at_lines(text: str, errors: list[tuple[str, str]]) -> FieldErrors:
         root = None
     out = []
     for param, message in errors[:MAX_SHOWN_ERRORS]:
-        param = param.removeprefix("spec.")
+        param = "" if param == "spec" else param.removeprefix("spec.")
         out.append(FieldError(param, message, _node_line(root, param)))
     return FieldErrors(out, total=len(errors))
 
 
-def parse_yaml(text: str) -> tuple[dict[str, Any] | None, FieldErrors]:
-    """The YAML document as a dict, or the syntax error at its line."""
+def parse_yaml(text: str, max_bytes: int) -> tuple[dict[str, Any] | None, FieldErrors]:
+    """The YAML document as a dict, or the syntax error at its line, or the cap it passes once its
+    aliases are expanded (`max_bytes` as JSON, the API's PEAGLE_MAX_SPEC_BYTES)."""
     if len(text) > MAX_SPEC_CHARS:
         return None, FieldErrors(
             [FieldError("", f"the spec is longer than {MAX_SPEC_CHARS} characters", None)]
         )
     try:
-        data = load_yaml(text, _LOADER)  # a safe loader (CSafeLoader or SafeLoader)
+        # A safe loader (CSafeLoader or SafeLoader) that measures the composed document before it builds
+        # anything, then the API's own measure of what it built.
+        data = load_yaml(text, bounded_yaml_loader(_LOADER, max_bytes))
+        check_spec_size(data, max_bytes)
     except DocumentError as exc:
         return None, FieldErrors([FieldError("", str(exc), None)])
+    except ApiError as exc:
+        return None, FieldErrors([FieldError("", exc.message, None)])
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
@@ -106,7 +114,7 @@ def parse_yaml(text: str) -> tuple[dict[str, Any] | None, FieldErrors]:
 def check(text: str, settings: Settings, project_id: str | None = None) -> tuple[JobSpec | None, FieldErrors]:
     """Parse and validate the editor's text as the API would (the project's own paths and the server's
     queues included); (spec with normalised paths, []) or (None, errors)."""
-    data, errors = parse_yaml(text)
+    data, errors = parse_yaml(text, settings.max_spec_bytes)
     if data is None:
         return None, errors
     try:

@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 
 from service.api import actions
 from service.api.auth_limit import AuthLimiter, client_address
+from service.api.body_route import BodyRoute
 from service.api.deps import DB, AppSettings, RedisConn, Store
 from service.api.errors import ApiError
 from service.crud import checkpoints as checkpoints_crud
@@ -27,7 +28,7 @@ from service.db.models import TERMINAL_STATUSES
 from service.ui import editor, views
 from service.ui.session import Session, UiProject, UiSession, check_csrf, save_session, secure_cookie
 
-router = APIRouter(prefix="/ui", include_in_schema=False)
+router = APIRouter(prefix="/ui", include_in_schema=False, route_class=BodyRoute)
 
 PAGE_SIZE = 50
 MAX_COMPARE = 8

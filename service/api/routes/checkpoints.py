@@ -12,6 +12,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import StreamingResponse
 
 from service.api import schemas
+from service.api.body_route import BodyRoute
 from service.api.byte_ranges import parse_range
 from service.api.deps import DB, CurrentProject, Store
 from service.api.errors import ApiError, not_found
@@ -20,7 +21,7 @@ from service.crud.checkpoints import get_checkpoint
 from service.db.models import Checkpoint
 from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_row
 
-router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], route_class=BodyRoute)
 
 _ERRORS = schemas.error_responses(401, 404)
 

@@ -7,11 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from service.api import actions, schemas
+from service.api.body_route import BodyRoute
 from service.api.deps import DB, AppSettings, CurrentProject, Store
 from service.api.errors import ApiError, not_found
 from service.crud import datasets as crud
 
-router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"], route_class=BodyRoute)
 
 _ERRORS = schemas.error_responses(401, 404)
 _UPLOAD_BODY = {
@@ -39,12 +40,13 @@ _UPLOAD_BODY = {
     responses={
         **_ERRORS,
         201: schemas.id_links("dataset_id", *schemas.DATASET_OPS),
-        **schemas.error_responses(403, 413, 415, 422),
+        **schemas.error_responses(400, 403, 413, 415, 422),
     },
     openapi_extra=_UPLOAD_BODY,
     summary="Upload a JSONL dataset",
     description="multipart/form-data with a `file` field holding JSONL chat data (`messages` or ShareGPT "
-    "`conversations`, or pre-tokenized). Larger than the service's cap: 413. Structurally invalid: 422 "
+    "`conversations`, or pre-tokenized). Malformed framing (a boundary RFC 2046 does not allow, broken part "
+    "headers): 400 naming it. Larger than the service's cap: 413. Structurally invalid: 422 "
     "naming the line. Conversations without an assistant turn are counted in `prompts_only_records`: "
     "a job trains on them only with `dataset.regenerate`.",
 )

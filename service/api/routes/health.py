@@ -13,10 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from service.api import schemas
+from service.api.body_route import BodyRoute
 from service.api.deps import AppMetrics, AppSettings, RedisConn, Sessions
 from service.api.errors import ApiError
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=BodyRoute)
 
 
 @router.get("/healthz", response_model=schemas.Health, summary="Liveness")

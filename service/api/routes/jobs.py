@@ -14,9 +14,9 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session
 
 from service.api import actions, schemas
+from service.api.body_route import BodyRoute
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store, presented_key_hash
 from service.api.errors import ApiError, not_found
-from service.api.json_body import JsonBodyRoute
 from service.api.quotas import StreamSlots
 from service.api.request_text import MAX_IDEMPOTENCY_KEY_CHARS
 from service.crud import checkpoints as checkpoints_crud
@@ -29,7 +29,7 @@ from service.db.models import Job, Project
 from service.settings import Settings
 
 log = logging.getLogger("peagle.api")
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=JsonBodyRoute)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=BodyRoute)
 
 _ERRORS = schemas.error_responses(401, 404, 422)
 MAX_ROW_ID = (1 << 63) - 1  # event and metric ids are BIGINTs: a larger cursor is a 422, not an overflow
@@ -49,11 +49,12 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
     responses={
         **_ERRORS,
         201: schemas.id_links("job_id", *schemas.JOB_OPS),
-        **schemas.error_responses(403, 409, 413, 429),
+        **schemas.error_responses(403, 409, 413, 415, 429),
     },
     summary="Create a training job",
-    description='Body: `{"spec": JobSpec}`. The spec is validated (errors name the field, e.g. '
-    "`spec.training.lr`), server paths are checked against the allowed roots, and the job is stored as "
+    description='Body: `{"spec": JobSpec}` as `application/json` (another Content-Type: 415). The spec '
+    "is capped by its size as stored, defaults filled in (`PEAGLE_MAX_SPEC_BYTES`: 413), and validated "
+    "(errors name the field, e.g. `spec.training.lr`), server paths are checked against the allowed roots, and the job is stored as "
     "`queued` before it is enqueued. The response carries the resolved spec (defaults filled in) and the "
     "spec as sent (`spec_submitted`), which is what the worker runs. "
     "With `Idempotency-Key`, a repeat of the same body returns the original job "

@@ -7,6 +7,7 @@ long poll sleeps on the event loop between short status reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from typing import Annotated, Any
@@ -15,21 +16,23 @@ import anyio
 from fastapi import APIRouter, Query, Request, Response
 from redis.exceptions import RedisError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.exc import StaleDataError
 
 from peagle_core.spec import JobSpec
 from service.api import schemas
 from service.api.admission import admit_with_dataset
+from service.api.body_route import BodyRoute
 from service.api.deps import DB, AppSettings, CurrentProject, RedisConn
 from service.api.errors import ApiError, envelope, not_found
-from service.api.json_body import JsonBodyRoute
 from service.api.quotas import check_new_plan
 from service.crud import plans as plans_crud
 from service.db.models import Plan, utcnow
+from service.db.vanished import RowVanished
 from service.queue import enqueue_plan, plan_outcome, withdraw_plan
 from service.redact import redact_paths
 
 log = logging.getLogger("peagle.api")
-router = APIRouter(tags=["plans"], route_class=JsonBodyRoute)
+router = APIRouter(tags=["plans"], route_class=BodyRoute)
 _POLL_S = 0.25
 # A plan RQ does not know yet may still be on its way there (the row is committed before the enqueue).
 _ENQUEUE_GRACE = timedelta(seconds=30)
@@ -41,7 +44,7 @@ _ENQUEUE_GRACE = timedelta(seconds=30)
     response_model=schemas.Plan,
     responses={
         202: schemas.id_links("plan_id", *schemas.PLAN_OPS),
-        **schemas.error_responses(401, 403, 422, 429, 503),
+        **schemas.error_responses(401, 403, 413, 415, 422, 429, 503),
     },
     summary="Plan a job without creating it",
     description='Body: the same `{"spec": JobSpec}` as `POST /v1/jobs`; no job is created or queued. The '
@@ -69,7 +72,8 @@ def create_plan(
     key_hash: str = request.state.key_hash
     # Answered plans nobody read yet must not count against the limits.
     for old in plans_crud.in_flight(db, project.id):
-        _refresh(db, redis, old)
+        with contextlib.suppress(RowVanished):  # purged meanwhile: it counts against nothing either
+            _refresh(db, redis, old)
     check_new_plan(db, project.id, key_hash, queue, settings)
     plan = plans_crud.create_plan(db, project.id, key_hash, queue, settings.plan_timeout_s)
     db.commit()
@@ -131,9 +135,11 @@ async def get_plan(
 
 def _refresh(db: Session, redis: RedisConn, plan: Plan) -> Plan:
     """Bring an unanswered plan's row up to date with RQ (its answer, a worker taking it, or its deadline
-    passing: then it is withdrawn from the queue) and commit."""
+    passing: then it is withdrawn from the queue) and commit; RowVanished when housekeeping purged the
+    row meanwhile."""
     if plan.status not in plans_crud.IN_FLIGHT:
         return plan
+    plan_id = plan.id
     try:
         state, value = plan_outcome(redis, plan.id)
         now = utcnow()
@@ -166,7 +172,11 @@ def _refresh(db: Session, redis: RedisConn, plan: Plan) -> Plan:
         raise ApiError(
             503, f"the job queue is unavailable ({exc.__class__.__name__})", code="queue_unavailable"
         ) from None
-    db.commit()
+    try:
+        db.commit()
+    except StaleDataError:  # the UPDATE found no row
+        db.rollback()
+        raise RowVanished("plan", plan_id) from None
     return plan
 
 

@@ -8,13 +8,14 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from service.api import schemas
+from service.api.body_route import BodyRoute
 from service.api.deps import DB, CurrentProject, Store
 from service.api.errors import ApiError, not_found
 from service.api.tarstream import tar_plan, tar_stream
 from service.crud.jobs import get_job
 from service.tracking import tensorboard_key
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=BodyRoute)
 
 
 @router.get(
