@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.orm import Session
 
 from service.artifacts import ArtifactStore
@@ -19,14 +18,21 @@ from service.crud import idempotency, plans, usage
 from service.crud import jobs as jobs_crud
 from service.crud.limits import lock_project
 from service.db.models import TERMINAL_STATUSES, Checkpoint, Dataset, Job, utcnow
+from service.db.vanished import RowVanished, reread
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
 def delete_checkpoint(session: Session, store: ArtifactStore, ckpt: Checkpoint) -> None:
+    """Its files, then its row; RowVanished when a concurrent request deleted the row first.
+
+    The project is locked first, as a job's delete locks it: both then take the ledger and checkpoint
+    rows in one order (unlocked, the two deadlocked on Postgres: ledger then checkpoint, and back)."""
+    lock_project(session, ckpt.project_id)
     store.delete(ckpt.uri)
-    checkpoints_crud.delete_checkpoint(session, ckpt.id)
+    if not checkpoints_crud.delete_checkpoint(session, ckpt.id):
+        raise RowVanished("checkpoint", ckpt.id)
     usage.forget_key(session, ckpt.project_id, ckpt.uri)
 
 
@@ -41,15 +47,12 @@ def delete_dataset(session: Session, store: ArtifactStore, ds: Dataset) -> None:
 def delete_job(session: Session, store: ArtifactStore, job: Job) -> bool:
     """Delete a terminal job's checkpoints, work directory (training checkpoints, tracker files), the
     derived data no other job of its project references (prepared and regenerated data, caches), and its
-    rows; False (nothing touched) otherwise.
+    rows; False (nothing touched) otherwise, RowVanished when a concurrent request deleted it first.
 
     The project is locked first: a worker recording that another job reuses one of those keys
     (`usage.record_usage`) either lands before, and keeps the key alive, or after, and finds it gone."""
     lock_project(session, job.project_id)
-    try:
-        session.refresh(job)  # read before the lock: a concurrent request may have changed it
-    except InvalidRequestError:  # deleted meanwhile
-        return False
+    job = reread(session, job, "job")  # read before the lock: a concurrent request may have changed it
     if job.status not in TERMINAL_STATUSES:
         return False
     for ckpt in checkpoints_crud.list_for_job(session, job.id):
@@ -58,7 +61,9 @@ def delete_job(session: Session, store: ArtifactStore, job: Job) -> bool:
         store.delete(key)
     store.delete(f"jobs/{job.id}")
     usage.forget_job(session, job.id)
-    return jobs_crud.delete_job(session, job.id)
+    if not jobs_crud.delete_job(session, job.id):
+        raise RowVanished("job", job.id)
+    return True
 
 
 def apply_retention(session: Session, store: ArtifactStore, days: float, batch: int = 100) -> list[str]:
@@ -66,9 +71,16 @@ def apply_retention(session: Session, store: ArtifactStore, days: float, batch: 
     cutoff = utcnow() - timedelta(days=days)
     deleted = []
     for job in jobs_crud.finished_before(session, cutoff, limit=batch):
-        if delete_job(session, store, job):
+        job_id = job.id
+        try:
+            done = delete_job(session, store, job)
+        except RowVanished:  # a client deleted it meanwhile
+            done = False
+        if done:
             session.commit()
-            deleted.append(job.id)
+            deleted.append(job_id)
+        else:
+            session.rollback()  # end the project lock before the next job's
     if deleted:
         log.info("retention: deleted %d job(s) finished before %s", len(deleted), cutoff.isoformat())
     return deleted

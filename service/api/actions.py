@@ -36,6 +36,7 @@ from service.crud import idempotency, jobstate
 from service.crud import jobs as jobs_crud
 from service.crud.jobs import jobs_using_dataset
 from service.db.models import Dataset, Job, Project, new_id
+from service.db.vanished import reread
 from service.lifecycle import delete_dataset as delete_dataset_files_and_row
 from service.lifecycle import delete_job as delete_job_files_and_rows
 from service.queue import enqueue_run
@@ -168,24 +169,27 @@ def _enqueue(db: Session, redis: Redis, settings: Settings, job: Job) -> None:
 def cancel_job(req: JobAction, *, db: Session, redis: Redis) -> Job:
     """A queued job is cancelled at once, a running one becomes `cancelling`; a finished one is a 409."""
     job = _job_or_404(db, req.project.id, req.job_id)
-    # A lost race (the worker claimed or finished it meanwhile) re-reads the status and tries again.
+    # A lost race (the worker claimed or finished it meanwhile) re-reads the status and tries again; a
+    # job deleted meanwhile is the 404 a later request gets (`reread`), never a 500.
     for _ in range(5):
-        if job.status == "queued":
+        status = job.status
+        if status == "queued":
             if jobstate.transition(
-                db, job.id, "cancelled", expect=["queued"], event="cancelled before it started"
+                db, req.job_id, "cancelled", expect=["queued"], event="cancelled before it started"
             ):
-                _drop_from_queue(redis, job.id)
+                _drop_from_queue(redis, req.job_id)
                 break
-        elif job.status == "running":
-            if jobstate.transition(db, job.id, "cancelling", expect=["running"], event="cancel requested"):
+        elif status == "running":
+            if jobstate.transition(
+                db, req.job_id, "cancelling", expect=["running"], event="cancel requested"
+            ):
                 break
-        elif job.status == "cancelling":
-            break
+        elif status != "cancelling":
+            raise ApiError(409, f"job {req.job_id} already {status}", code="job_finished", param="job_id")
         else:
-            raise ApiError(409, f"job {job.id} already {job.status}", code="job_finished", param="job_id")
-        db.refresh(job)
-    db.refresh(job)
-    return job
+            break
+        job = reread(db, job, "job")
+    return reread(db, job, "job")
 
 
 def _drop_from_queue(redis: Redis, job_id: str) -> None:
@@ -200,10 +204,11 @@ def _drop_from_queue(redis: Redis, job_id: str) -> None:
 def delete_job(req: JobAction, *, db: Session, store: ArtifactStore) -> None:
     """Delete a finished job's files, then its rows (committed); 409 while it is unfinished."""
     job = _job_or_404(db, req.project.id, req.job_id)
+    # The deletion re-reads the job under the project lock: deleted meanwhile, it raises RowVanished (404).
     if not jobstate.is_terminal(job.status) or not delete_job_files_and_rows(db, store, job):
         raise ApiError(
             409,
-            f"job {job.id} is {job.status}; cancel it and wait until it ends before deleting it",
+            f"job {req.job_id} is {job.status}; cancel it and wait until it ends before deleting it",
             code="job_not_finished",
             param="job_id",
         )

@@ -1,8 +1,9 @@
 """The one error envelope `{"error": {type, code, message, param}}` and the handlers that produce it.
 
 Every 4xx/5xx leaves the API in this shape: our own ApiError, FastAPI/Starlette HTTP errors (404 unknown
-route, 405), request validation (422 naming the field), PeagleError (422), a database or Redis outage
-(503) and anything unexpected (500, logged, no traceback in the response).
+route, 405), request validation (422 naming the field), PeagleError (422), a row a concurrent request
+deleted or changed under this one (404 or 409), a database or Redis outage (503) and anything unexpected
+(500, logged, no traceback in the response).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.orm.exc import ObjectDeletedError, StaleDataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from peagle_core.documents import number_problem
 from peagle_core.errors import PeagleError
 from peagle_core.text import printable
+from service.db.vanished import RowVanished
 from service.redact import redact_paths
 
 log = logging.getLogger("peagle.api")
@@ -146,7 +149,13 @@ async def _peagle_error(_: Request, exc: PeagleError) -> JSONResponse:
 DB_RETRY_AFTER_S = 5
 
 
+# Postgres's answers to two transactions that raced: serialization failure, deadlock detected.
+_RACE_SQLSTATES = frozenset({"40001", "40P01"})
+
+
 async def _db_error(request: Request, exc: Exception) -> JSONResponse:
+    if getattr(getattr(exc, "orig", None), "sqlstate", None) in _RACE_SQLSTATES:
+        return await _concurrent_change(request, exc)
     # Connection-level failures (server down, pool exhausted) are an outage; anything else is our bug.
     outage = isinstance(exc, OperationalError | InterfaceError | PoolTimeoutError) or getattr(
         exc, "connection_invalidated", False
@@ -160,6 +169,21 @@ async def _db_error(request: Request, exc: Exception) -> JSONResponse:
         "the database is unavailable; retry later",
         code="database_unavailable",
         headers={"Retry-After": str(DB_RETRY_AFTER_S)},
+    ).response()
+
+
+async def _row_vanished(_: Request, exc: RowVanished) -> JSONResponse:
+    return not_found(exc.kind, exc.ident).response()
+
+
+async def _concurrent_change(_: Request, exc: Exception) -> JSONResponse:
+    # The ORM found a row it had loaded gone (or changed) when it read or wrote it again: a request
+    # that raced this one won. What a retry sees is consistent, so this is the client's 409, not a 500.
+    log.info("concurrent change: %s", exc.__class__.__name__)
+    return ApiError(
+        409,
+        "the resource was changed or deleted by a concurrent request while this one ran; read it again",
+        code="concurrent_change",
     ).response()
 
 
@@ -179,6 +203,9 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(PeagleError, _peagle_error)
+    app.add_exception_handler(RowVanished, _row_vanished)
+    for exc_type in (ObjectDeletedError, StaleDataError):
+        app.add_exception_handler(exc_type, _concurrent_change)
     for exc_type in (DBAPIError, PoolTimeoutError):
         app.add_exception_handler(exc_type, _db_error)
     for exc_type in (RedisConnectionError, RedisTimeoutError):

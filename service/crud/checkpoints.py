@@ -52,9 +52,10 @@ def get_checkpoint(session: Session, project_id: str, checkpoint_id: str) -> Che
     )
 
 
-def delete_checkpoint(session: Session, checkpoint_id: str) -> None:
-    """Delete the row (the caller has removed its files and commits)."""
-    session.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint_id))
+def delete_checkpoint(session: Session, checkpoint_id: str) -> bool:
+    """Delete the row (the caller has removed its files and commits); False when it was gone already."""
+    result = session.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint_id))
+    return result.rowcount == 1
 
 
 def find_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint | None:

@@ -6,11 +6,12 @@ import hashlib
 import hmac
 import secrets
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.db.models import ApiKey, Project, utcnow
+from service.db.vanished import reread
 
 KEY_PREFIX = "peagle_sk_"
 
@@ -90,9 +91,8 @@ def rotate_key(session: Session, key_id: str) -> tuple[str, ApiKey] | None:
     """A new key for the same project and the old one revoked, in one commit; None for an unknown or
     already revoked key. Returns (plaintext, new row)."""
     old = session.get(ApiKey, key_id)
-    if old is None or old.revoked_at is not None:
+    if old is None or not _revoke_if_live(session, key_id):
         return None
-    old.revoked_at = utcnow()
     plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey(
         project_id=old.project_id, key_hash=hash_key(plaintext), prefix=plaintext[: len(KEY_PREFIX) + 6]
@@ -100,6 +100,18 @@ def rotate_key(session: Session, key_id: str) -> tuple[str, ApiKey] | None:
     session.add(row)
     session.commit()
     return plaintext, row
+
+
+def _revoke_if_live(session: Session, key_id: str) -> bool:
+    """Revoke the key if no one has yet, as one conditional UPDATE: of two concurrent rotations of one
+    key only one revokes it, so only one successor is made."""
+    result = session.execute(
+        update(ApiKey)
+        .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+        .execution_options(synchronize_session="fetch")
+    )
+    return result.rowcount == 1
 
 
 def live_key(session: Session, key: str) -> ApiKey | None:
@@ -121,10 +133,17 @@ def live_key_by_id(session: Session, key_id: str) -> ApiKey | None:
 
 
 def session_nonce(session: Session, key: ApiKey) -> str:
-    """The key's dashboard session nonce, made on first use (the caller commits)."""
+    """The key's dashboard session nonce, made on first use (the caller commits). Made by a conditional
+    UPDATE: of two first sign-ins at once, both cookies carry the one nonce that was stored."""
     if key.session_nonce is None:
-        key.session_nonce = secrets.token_urlsafe(24)
-    return key.session_nonce
+        session.execute(
+            update(ApiKey)
+            .where(ApiKey.id == key.id, ApiKey.session_nonce.is_(None))
+            .values(session_nonce=secrets.token_urlsafe(24))
+            .execution_options(synchronize_session=False)
+        )
+        key = reread(session, key, "key")
+    return key.session_nonce or ""
 
 
 def end_sessions(session: Session, key_id: str) -> None:
