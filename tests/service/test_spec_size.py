@@ -56,29 +56,23 @@ def _job_count(db_url: str) -> int:
         return len(list(s.scalars(select(Job.id))))
 
 
-def test_the_probe_spec_is_about_40kb_of_yaml_for_32mb_of_spec(spec) -> None:
+def test_alias_expanded_spec_over_the_cap_is_refused_on_every_door(ui, auth, spec, db_url) -> None:
     text = alias_spec_yaml(spec)
-    assert len(text) < 48 * 1024
-    decoded = yaml.load(text, Loader=yaml.CSafeLoader)
-    assert len(decoded["evaluation"]["prompts"]) == ALIASES  # each one the 32 KB anchor
-
-
-@pytest.mark.parametrize("action", ["submit", "validate"])
-def test_alias_expanded_spec_over_the_cap_is_refused_by_the_editor(ui, spec, db_url, action) -> None:
+    assert len(text) < 48 * 1024  # the probe's ~40 KB of YAML ...
+    expanded = yaml.load(text, Loader=yaml.CSafeLoader)
+    assert len(expanded["evaluation"]["prompts"]) == ALIASES  # ... for 1000 prompts of 32 KB each
     before = _job_count(db_url)
-    r = _editor(ui, alias_spec_yaml(spec), action)
-    _refused_in_editor(r)
-    assert "PEAGLE_MAX_SPEC_BYTES" in r.text
-    # The page echoes the 40 KB text, never the 32 MB expansion (Validate answered a 32 MB page).
-    assert len(r.content) < 512 * 1024
+    for action in ("submit", "validate"):
+        r = _editor(ui, text, action)
+        _refused_in_editor(r)
+        assert "PEAGLE_MAX_SPEC_BYTES" in r.text
+        # The page echoes the 40 KB text, never the 32 MB expansion (Validate answered a 32 MB page).
+        assert len(r.content) < 512 * 1024
+    # The same spec as JSON, to the API's create and plan.
+    for route in ("/v1/jobs", "/v1/jobs/plan"):
+        r = ui.post(route, json={"spec": expanded}, headers=auth)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text[:300]
     assert _job_count(db_url) == before
-
-
-@pytest.mark.parametrize("route", ["/v1/jobs", "/v1/jobs/plan"])
-def test_the_same_spec_as_json_is_refused_by_the_api(client, auth, spec, route) -> None:
-    expanded = yaml.load(alias_spec_yaml(spec), Loader=yaml.CSafeLoader)
-    r = client.post(route, json={"spec": expanded}, headers=auth)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large", r.text[:300]
 
 
 @pytest.fixture
@@ -102,15 +96,14 @@ def _under_the_wire_over_the_cap(spec: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-@pytest.mark.parametrize("route", ["/v1/jobs", "/v1/jobs/plan"])
-def test_the_api_caps_the_spec_as_stored_not_only_the_body(small_cap, auth, spec, route) -> None:
-    r = small_cap.post(route, json={"spec": _under_the_wire_over_the_cap(spec)}, headers=auth)
-    assert r.status_code == 413, r.text
-    error = r.json()["error"]
-    assert (error["code"], error["param"]) == ("payload_too_large", "spec") and CAP_MESSAGE in error[
-        "message"
-    ]
-    assert small_cap.post(route, json={"spec": spec}, headers=auth).status_code in (201, 202)
+def test_the_api_caps_the_spec_as_stored_not_only_the_body(small_cap, auth, spec) -> None:
+    for route in ("/v1/jobs", "/v1/jobs/plan"):
+        r = small_cap.post(route, json={"spec": _under_the_wire_over_the_cap(spec)}, headers=auth)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("payload_too_large", "spec"), error
+        assert CAP_MESSAGE in error["message"], error
+        assert small_cap.post(route, json={"spec": spec}, headers=auth).status_code in (201, 202)
 
 
 def test_aliases_within_the_cap_are_accepted_and_stored_expanded(small_cap, spec, db_url) -> None:
