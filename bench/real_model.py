@@ -8,8 +8,15 @@ vLLM (its spec-decode counters) and in ours, and whether vLLM's output equals it
 Then the product's judge times vLLM with the drafter and with vLLM's `ngram` against plain decoding at
 batch 1 and 8, and its serving recommendation names the K to serve. One JSON line per figure.
 
+With `--methods peagle,eagle3` each method trains on the same data and cache (the recipe's K as EAGLE-3's
+`ttt_steps`) for the same training time: the first method runs the recipe's budget, each other one the steps
+its own measured step time fits in that time (a three-step calibration run first). Every drafter is then
+measured as above and the last line is one table at batch 1 and 8 (each method at each K, ngram, plain) with
+the product's choice of method (`peagle_core.serving.method_choice`).
+
     python bench/real_model.py                       # the recipe; ~1 hour on a 2-core AMX CPU
     python bench/real_model.py --drafter DIR         # measure an exported drafter only
+    python bench/real_model.py --methods peagle,eagle3 --data sharegpt-tokens:5e5
 """
 
 from __future__ import annotations
@@ -46,6 +53,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="paired timing rounds")
     p.add_argument("--serve-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="timed serving")
+    p.add_argument(
+        "--methods",
+        default="peagle",
+        help="model.method values trained at equal training time (peagle,eagle3)",
+    )
     return p
 
 
@@ -63,11 +75,66 @@ def main() -> None:
          seconds=round(time.monotonic() - t0, 1))  # fmt: skip
     prompts = mt_bench_prompts(args.eval_prompts)
     timing = prompts[: recipe.eval_prompts if args.timing_prompts is None else args.timing_prompts]
-    drafter = args.drafter or train(args, recipe, verifier, timing)
-    depths = measure_acceptance(args, verifier, drafter, prompts)
-    if timing:
-        ks = args.timing_ks or [k for k in recipe_value(args, "evaluation.speculative_tokens") if k <= depths]
-        time_serving(args, verifier, drafter, [p["prompt"] for p in timing], ks)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.drafter is not None:
+        drafters = {"given": args.drafter}
+    elif len(methods) == 1:
+        drafters = {methods[0]: train(args, recipe, verifier, timing, method=methods[0])[0]}
+    else:
+        drafters = train_at_equal_time(args, recipe, verifier, timing, methods)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for method, drafter in drafters.items():
+        depths = measure_acceptance(args, verifier, drafter, prompts, method=method)
+        if timing:
+            ks = args.timing_ks or [
+                k for k in recipe_value(args, "evaluation.speculative_tokens") if k <= depths
+            ]
+            rows[method] = time_serving(args, verifier, drafter, [p["prompt"] for p in timing], ks, method)
+    if len(rows) > 1:
+        compare_methods(rows)
+
+
+def train_at_equal_time(
+    args: argparse.Namespace, recipe: Any, verifier: Path, timing: list[dict[str, str]], methods: list[str]
+) -> dict[str, Path]:
+    """Each method trained for the first one's training time: the first at the recipe's budget, the others
+    at the steps their own step time (a three-step calibration run on the same cache) fits in it."""
+    first, *others = methods
+    drafter, seconds, steps = train(args, recipe, verifier, timing, method=first)
+    out = {first: drafter}
+    for method in others:
+        _, calibration_s, calibration_steps = train(args, recipe, verifier, timing, method=method, steps=3,
+                                                     tag="calibration")  # fmt: skip
+        fit = max(1, int(seconds / (calibration_s / calibration_steps)))
+        emit(bench="real_model", stage="equal_time", method=method, seconds=round(seconds, 1),
+             reference_method=first, reference_steps=steps, steps=fit)  # fmt: skip
+        out[method] = train(args, recipe, verifier, timing, method=method, steps=fit)[0]
+    return out
+
+
+def compare_methods(rows: dict[str, list[dict[str, Any]]]) -> None:
+    """One table at every batch size (each method at each K, ngram, plain) and the method to serve."""
+    from peagle_core.serving.method_choice import choose_method
+    from peagle_core.serving.recommendation import NGRAM, ServingRecommendation
+
+    table = [
+        {"method": method if r["method"] != NGRAM else "ngram", "k": r["k"], "batch": r["batch_size"],
+         "speedup": r["speedup"], "acceptance_length": r["acceptance_length"]}
+        for method, measured in rows.items() for r in measured
+        if r["method"] != NGRAM or method == next(iter(rows))  # ngram once: it does not depend on the drafter
+    ]  # fmt: skip
+    table += [
+        {"method": "plain", "k": 0, "batch": b, "speedup": 1.0} for b in sorted({t["batch"] for t in table})
+    ]
+    emit(
+        bench="real_model",
+        stage="methods_table",
+        rows=sorted(table, key=lambda t: (t["batch"], t["method"], t["k"])),
+    )
+    recs = {m: ServingRecommendation.choose(measured, method=m) for m, measured in rows.items()}
+    choice = choose_method({m: r for m, r in recs.items() if r is not None})
+    if choice is not None:
+        emit(bench="real_model", stage="method_choice", **choice.to_dict())
 
 
 # The bench's one departure from the recipe: it times the drafter itself after training (`time_serving`).
@@ -84,29 +151,59 @@ def job_spec(
     )
 
 
-def train(args: argparse.Namespace, recipe: Any, verifier: Path, eval_prompts: list[dict[str, str]]) -> Path:
-    """The recipe trained through the job's pipeline; its exported drafter. The speed-up is timed after,
-    on the measured drafter (`time_serving`), so the job does not time it too."""
-    from peagle_core.pipeline.stages import LocalStore, Pipeline, run_pipeline
+def train(
+    args: argparse.Namespace,
+    recipe: Any,
+    verifier: Path,
+    eval_prompts: list[dict[str, str]],
+    *,
+    method: str = "peagle",
+    steps: int | None = None,
+    tag: str = "",
+) -> tuple[Path, float, int]:
+    """The recipe (as `method`, for `steps` steps where given) trained through the job's pipeline: its
+    exported drafter, training seconds (first to last optimizer step, scaled by steps / (steps - 1)) and
+    steps. The speed-up is timed after, on the measured drafter (`time_serving`), so the job does not."""
+    from peagle_core.events import CallbackReporter
+    from peagle_core.pipeline.stages import Callbacks, LocalStore, Pipeline
     from peagle_core.spec import parse_spec
 
     data, regenerate = training_data(args.data, recipe_value(args, "dataset.seq_len"), args.recipe)
-    spec = parse_spec(job_spec(args, verifier, data, eval_prompts, regenerate=regenerate))
-    emit(bench="real_model", stage="spec", spec=spec.model_dump(mode="json", exclude_unset=True))
+    raw = job_spec(args, verifier, data, eval_prompts, regenerate=regenerate)
+    raw["model"]["method"] = method
+    if steps is not None:
+        raw["training"]["max_steps"] = steps
+    spec = parse_spec(raw)
+    emit(bench="real_model", stage="spec", method=method, tag=tag,
+         spec=spec.model_dump(mode="json", exclude_unset=True))  # fmt: skip
+    times: list[tuple[float, int]] = []
+
+    def on_metrics(m: dict[str, Any]) -> None:
+        step = int(m.get("step", 0))
+        if step > 0 and (not times or step > times[-1][1]):
+            times.append((time.monotonic(), step))
+
     t0 = time.monotonic()
-    if args.store is not None:
-        result = Pipeline.of(spec, args.work / "run", store=LocalStore(args.store)).run(resume=True)
-    else:
-        result = run_pipeline(spec, args.work / "run")
-    emit(bench="real_model", stage="train", seconds=round(time.monotonic() - t0, 1), status=result.status,
-         step=result.step, metrics={k: v for k, v in result.metrics.items() if isinstance(v, float | int)})  # fmt: skip
+    callbacks = Callbacks(CallbackReporter(metrics=on_metrics))
+    run = args.work / "-".join(x for x in ("run", method if method != "peagle" else "", tag) if x)
+    store = LocalStore(args.store if args.store is not None else args.work / "store")
+    result = Pipeline.of(spec, run, store=store, callbacks=callbacks).run(resume=True)
+    seconds = (times[-1][0] - times[0][0]) * len(times) / max(len(times) - 1, 1) if len(times) > 1 else 0.0
+    emit(bench="real_model", stage="train", method=method, tag=tag, seconds=round(time.monotonic() - t0, 1),
+         train_seconds=round(seconds, 1), status=result.status, step=result.step,
+         metrics={k: v for k, v in result.metrics.items() if isinstance(v, float | int)})  # fmt: skip
     if result.export_dir is None:
         raise SystemExit(f"training ended {result.status} without an exported drafter")
-    return Path(result.export_dir)
+    return Path(result.export_dir), seconds, result.step
 
 
 def measure_acceptance(
-    args: argparse.Namespace, verifier_dir: Path, drafter_dir: Path, rows: list[dict]
+    args: argparse.Namespace,
+    verifier_dir: Path,
+    drafter_dir: Path,
+    rows: list[dict],
+    *,
+    method: str = "peagle",
 ) -> int:
     """Acceptance per K, per position and per category in vLLM and in ours (fp32, greedy), losslessness
     and ours = vLLM per prompt; returns the drafter's number of depths."""
@@ -151,6 +248,7 @@ def measure_acceptance(
             theirs, vllm_s = pool_runs(runs, by_cat), time.monotonic() - t0
             emit(
                 bench="real_model",
+                method=method,
                 k=k,
                 prompts=len(prompts),
                 vllm_acceptance_length=theirs.acceptance_length,
@@ -174,8 +272,13 @@ def measure_acceptance(
 
 
 def time_serving(
-    args: argparse.Namespace, verifier_dir: Path, drafter_dir: Path, texts: list[str], ks: list[int]
-) -> None:
+    args: argparse.Namespace,
+    verifier_dir: Path,
+    drafter_dir: Path,
+    texts: list[str],
+    ks: list[int],
+    method: str = "peagle",
+) -> list[dict[str, Any]]:
     """The product's speed-up measurement (`VllmJudge.measure_speedup`: paired rounds, the drafter and
     vLLM's `ngram` at each K of `ks`, batch 1 and 8, in `--serve-dtype`) and its serving recommendation
     (the K to serve, ngram's best beside it)."""
@@ -197,15 +300,16 @@ def time_serving(
              plain_tokens_per_s=r["baseline_output_tokens_per_s"], drafter_tokens_per_s=r["output_tokens_per_s"],
              speedup=r["speedup"], speedup_per_round=r["speedup_per_round"],
              acceptance_length=r["acceptance_length"], greedy_match=r["lossless"])  # fmt: skip
-    rec = ServingRecommendation.choose(rows)
+    rec = ServingRecommendation.choose(rows, method=method)
     if rec is None:
-        return
+        return rows
     for b in rec.batches:
         margin = b.best_speedup - b.ngram_speedup if None not in (b.best_speedup, b.ngram_speedup) else None
         emit(bench="real_model", stage="best_k", dtype=args.serve_dtype, batch=b.batch_size, peagle_k=b.best_k,
              peagle_speedup=b.best_speedup, ngram_k=b.ngram_k, ngram_speedup=b.ngram_speedup,
              margin_over_ngram=None if margin is None else round(margin, 4))  # fmt: skip
-    emit(bench="real_model", stage="recommendation", k=rec.k, sentence=rec.sentence())
+    emit(bench="real_model", stage="recommendation", method=method, k=rec.k, sentence=rec.sentence())
+    return rows
 
 
 def token_ids(tokenizer: Any, text: str) -> list[int]:

@@ -56,25 +56,52 @@ def main() -> None:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS)
     )
+    parser.add_argument(
+        "--data",
+        default="synthetic",
+        choices=["synthetic", "real", "both"],
+        help="synthetic rows, real cached batches (the recipe's SmolLM2 data and hidden states; ours only), "
+        "or both in one run",
+    )
+    parser.add_argument(
+        "--real-work", type=Path, default=Path("bench-throughput-real"), help="real data, reused"
+    )
+    parser.add_argument("--num-depths", type=int, default=SMOLLM2_DRAFTER["num_depths"], help="K (smollm2)")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="ours' optimizer")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a child's one variant
+    parser.add_argument("--data-kind", default="synthetic", help=argparse.SUPPRESS)  # a child's data
     args = parser.parse_args()
     if args.variant:
         emit(**run_variant(args))
         return
 
+    kinds = ["synthetic", "real"] if args.data == "both" else [args.data]
+    if "real" in kinds:
+        if args.shape != "smollm2":
+            raise SystemExit("--data real runs at --shape smollm2 (the recipe's verifier)")
+        prepare_real_data(args)
     results: dict[str, dict[str, Any]] = {}
     for variant in args.variants.split(","):
-        child = [__file__, "--variant", variant, "--shape", args.shape, "--steps", str(args.steps),
-                 "--warmup", str(args.warmup), "--seq-len", str(args.seq_len)]  # fmt: skip
-        env_note = {"PEAGLE_COMPILE": "0"} if variant == "today" else {}
-        try:
-            lines = _child(child, env_note)
-        except Exception as exc:  # one variant failing (e.g. speculators missing) still reports the others
-            emit(metric="train_throughput", variant=variant, shape=args.shape, error=str(exc)[-2000:])
-            continue
-        for line in lines:
-            print(json.dumps(line), flush=True)
-            results[variant] = line
+        for kind in kinds:
+            if kind == "real" and variant == "speculators":
+                continue  # its step is timed on the synthetic rows only
+            child = [__file__, "--variant", variant, "--shape", args.shape, "--steps", str(args.steps),
+                     "--warmup", str(args.warmup), "--seq-len", str(args.seq_len), "--data-kind", kind,
+                     "--real-work", str(args.real_work), "--num-depths", str(args.num_depths),
+                     "--optimizer", args.optimizer]  # fmt: skip
+            env_note = {"PEAGLE_COMPILE": "0"} if variant == "today" else {}
+            name = variant if kind == "synthetic" else f"{variant}/real"
+            try:
+                lines = _child(child, env_note)
+            except Exception as exc:  # one variant failing (e.g. speculators missing) still reports the rest
+                emit(metric="train_throughput", variant=name, shape=args.shape, error=str(exc)[-2000:])
+                continue
+            for line in lines:
+                print(json.dumps(line), flush=True)
+                results[name] = line
+    if "new" in results and "new/real" in results:
+        real_over = results["new/real"]["tokens_per_s"] / results["new"]["tokens_per_s"]
+        emit(metric="train_throughput_ratio", shape=args.shape, real_over_synthetic=round(real_over, 3))
     if "today" in results and "new" in results:
         summary = {
             "new_over_today": round(results["new"]["tokens_per_s"] / results["today"]["tokens_per_s"], 3)
@@ -105,6 +132,53 @@ def _child(args: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------ one variant
 
 
+def real_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe's job spec on enough of its data for the timed steps, at this run's K and row length."""
+    from _prompts import sharegpt_by_tokens
+
+    from peagle_core.recipes.material import verifier_dir
+    from peagle_core.recipes.preset import load_recipe
+
+    recipe = load_recipe()
+    tokens = int(1.3 * (args.steps + args.warmup) * args.seq_len)  # packing leaves some room in each row
+    data = sharegpt_by_tokens(tokens, int(recipe.value("dataset.seq_len")))
+    overrides = {"model.num_depths": args.num_depths, "training.total_seq_len": args.seq_len,
+                 "training.max_steps": 1, "export.vllm_check": False}  # fmt: skip
+    raw = recipe.job_spec(str(verifier_dir(recipe)), dataset_path=str(data), overrides=overrides)
+    raw["evaluation"] = {"prompts": 0}
+    return raw
+
+
+def prepare_real_data(args: argparse.Namespace) -> None:
+    """The real data and its hidden-state cache, made once through the job's pipeline (one training step)."""
+    from _real_data import prepared_pipeline
+
+    raw = real_spec(args)
+    prepared_pipeline(raw, args.real_work / "run", args.real_work / "store")
+    (args.real_work / "spec.json").write_text(json.dumps(raw))
+
+
+def _real_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
+    """Our drafter for the real data (its vocabulary map), the verifier's teacher, and the cached batches
+    read ahead of the timing (the loader's own time is reported apart: `loader_s_per_batch`)."""
+    from _real_data import RealData
+
+    from peagle_core.pipeline.stages import LocalStore, Pipeline
+    from peagle_core.spec import parse_spec
+    from peagle_core.training.builders import build_teacher
+
+    spec = parse_spec(json.loads((args.real_work / "spec.json").read_text()))
+    pipeline = Pipeline.of(spec, args.real_work / "run", store=LocalStore(args.real_work / "store"))
+    data = RealData.of(pipeline, device)
+    model = data.drafter(device).train()
+    teacher = build_teacher(data.verifier, model)
+    t0 = time.perf_counter()
+    batches = [b.to(device) for b in data.batches(args.steps + args.warmup)]
+    args.loader_s_per_batch = (time.perf_counter() - t0) / len(batches)
+    del data.verifier.model  # only its final norm and head rows (the teacher) are needed from here
+    return model, teacher, lambda i: batches[i]
+
+
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.variant == "speculators":
@@ -130,7 +204,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     achieved = flops / elapsed
     return {
         "metric": "train_throughput",
-        "variant": args.variant,
+        "variant": args.variant if args.data_kind == "synthetic" else f"{args.variant}/real",
+        "data": args.data_kind,
+        "optimizer": args.optimizer if args.variant != "speculators" else "adamw",
+        **({"loader_s_per_batch": round(args.loader_s_per_batch, 3)} if args.data_kind == "real" else {}),
         "shape": args.shape,
         "device": device.type,
         "precision": precision,
@@ -162,7 +239,9 @@ def _ours_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, An
     from peagle_core.training.loop import forward_backward
 
     new = args.variant == "new"
-    if args.shape == "smollm2":
+    if args.data_kind == "real":
+        model, teacher, batches = _real_setup(args, device)
+    elif args.shape == "smollm2":
         model, teacher, batches = _smollm2_ours(args, device)
     else:
         model, teacher, batches = _toy_ours(args, device)
@@ -170,8 +249,8 @@ def _ours_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, An
     precision = resolve_precision("auto", device) if new else "fp32"
     if new and device.type == "cpu":
         keep_freed_memory()
-    optimizer = build_optimizer(model, 1e-4, 0.01)
-    if not new:  # the multi-tensor AdamW the trainer used before
+    optimizer = build_optimizer(model, 1e-4, 0.01, args.optimizer)
+    if not new and args.optimizer == "adamw":  # the multi-tensor AdamW the trainer used before
         optimizer = torch.optim.AdamW(optimizer.param_groups, lr=1e-4, betas=(0.9, 0.95), fused=False)
     autocast = autocast_for(precision, device)
     depths = model.config.num_depths
@@ -219,7 +298,8 @@ def _smollm2_ours(args: argparse.Namespace, device: torch.device) -> tuple[Any, 
     from peagle_core.model.objective import Teacher
 
     torch.manual_seed(0)
-    cfg = PEagleConfig(**SMOLLM2, **SMOLLM2_DRAFTER, draft_vocab_size=8192, mask_token_id=0)
+    drafter = {**SMOLLM2_DRAFTER, "num_depths": args.num_depths}
+    cfg = PEagleConfig(**SMOLLM2, **drafter, draft_vocab_size=8192, mask_token_id=0)
     model = PEagleDraftModel(cfg).to(device).train()
     h = cfg.hidden_size
     teacher = Teacher(torch.ones(h), cfg.rms_norm_eps, 0.05 * torch.randn(cfg.draft_vocab_size, h)).to(device)
@@ -292,7 +372,8 @@ def _speculators_setup(
 
     if args.shape != "smollm2":
         raise SystemExit("the speculators variant runs at --shape smollm2")
-    cfg = PEagleConfig(**SMOLLM2, **SMOLLM2_DRAFTER, draft_vocab_size=8192, mask_token_id=0)
+    drafter = {**SMOLLM2_DRAFTER, "num_depths": args.num_depths}
+    cfg = PEagleConfig(**SMOLLM2, **drafter, draft_vocab_size=8192, mask_token_id=0)
     layer = LlamaConfig(**cfg.to_llama_config().to_dict())
     layer._attn_implementation = "simple_flex_attention" if device.type == "cuda" else "sdpa"
     config = PEagleSpeculatorConfig(

@@ -141,23 +141,17 @@ def train_reference(
     args: argparse.Namespace, pipeline: Any, verifier_dir: Path, steps: int, name: str
 ) -> tuple[Path, float]:
     """The reference's parts trained on our batches for `steps` steps, exported by our exporter."""
+    from _real_data import RealData
     from speculators.losses import resolve_loss_config
     from speculators.train.config.schema import DataArgs
 
-    from peagle_core.data.prepare import PreparedDataset
-    from peagle_core.hidden_states.loader import BatchLoader
     from peagle_core.model.precision import resolve_precision
-    from peagle_core.training import builders
-    from peagle_core.training import distributed as dist_utils
 
-    spec = pipeline.spec
-    device = torch.device("cpu")
-    dataset = PreparedDataset.open(pipeline.data())
-    verifier = builders.load_verifier(spec, device)
-    source = builders.build_source(spec, dataset, verifier, pipeline.cache_dir(), dist_utils.DistInfo())
-    ours = builders.build_model(spec, verifier, dataset, device)  # our draft vocabulary map, same data
+    data = RealData.of(pipeline)
+    spec = data.spec
+    ours = data.drafter()  # our draft vocabulary map for this data
     torch.manual_seed(spec.training.seed)
-    layers = list(verifier.layer_ids)
+    layers = list(data.verifier.layer_ids)
     model = reference_model(verifier_dir, spec.model.num_layers, layers, ours.t2d.clone(), ours.d2t.clone())
     model.train()
     optimizers, schedulers = reference_optimizers(model, steps)
@@ -170,12 +164,11 @@ def train_reference(
     }
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
             "verifier_last_hidden_states")  # fmt: skip
-    bins = _bins(spec, dataset, steps)
     # Its trainer autocasts to bf16; here only where bf16 is fast, as ours does (emulated bf16 only slows it).
-    bf16 = resolve_precision(spec.training.precision, device) == "bf16"
+    bf16 = resolve_precision(spec.training.precision, torch.device("cpu")) == "bf16"
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     t0 = time.monotonic()
-    for i, batch in enumerate(BatchLoader(dataset, source, bins, total_seq_len=spec.training.total_seq_len)):
+    for i, batch in enumerate(data.batches(steps)):
         with autocast:
             _, loss, _metrics = model(**{k: getattr(batch, k) for k in keys}, **kwargs)
         for o in optimizers:
@@ -186,24 +179,10 @@ def train_reference(
             o.step()
             s.step()
         if i % 25 == 0 or i == steps - 1:
-            emit(
-                bench="vs_reference", trainer=name, step=i + 1, of=steps, loss=round(float(loss.detach()), 4)
-            )
+            loss_value = round(float(loss.detach()), 4)
+            emit(bench="vs_reference", trainer=name, step=i + 1, of=steps, loss=loss_value)
     seconds = time.monotonic() - t0
-    return _export_reference(args, model, ours, verifier_dir, verifier, name), seconds
-
-
-def _bins(spec: Any, dataset: Any, steps: int) -> list[list[int]]:
-    """The same packed rows in the same order as our trainer draws (seeded epochs), `steps` of them."""
-    from peagle_core.training.builders import epoch_bins
-
-    train_idx, _ = dataset.split(spec.dataset.val_fraction, spec.training.seed)
-    bins: list[list[int]] = []
-    epoch = 0
-    while len(bins) < steps:
-        bins += epoch_bins(train_idx, list(dataset.lengths), spec, epoch)
-        epoch += 1
-    return bins[:steps]
+    return _export_reference(args, model, ours, verifier_dir, data.verifier, name), seconds
 
 
 def _export_reference(
