@@ -1,8 +1,10 @@
 """The size of what a door decoded, as compact UTF-8 JSON with every YAML alias expanded: the one measure
 each door applies to a spec after parsing it (`check_spec_size`), whatever its size on the wire.
 
-Aliases share one object (or YAML node), so the walks below measure each distinct one once and add its
-size wherever it appears: they cost the document as written, never as expanded, and stop at the cap.
+Aliases share one object (or YAML node), so the walk below measures each distinct one once and adds its
+size wherever it appears: it costs the document as written, never as expanded, and stops at the cap.
+A YAML document is walked as composed, before anything is built from it; what was built (and a JSON
+body) is then measured by the C encoder.
 """
 
 from __future__ import annotations
@@ -120,8 +122,22 @@ def _expanded_size(
 
 
 def json_size(value: Any, limit: int) -> int:
-    """Bytes of `value` as compact JSON, every shared object counted where it appears; a number over
-    `limit` once it passes it. SelfReference if `value` contains itself."""
+    """Bytes of `value` as compact JSON, every shared object counted where it appears (a number over
+    `limit` may stand for a larger one); SelfReference if `value` contains itself.
+
+    The C encoder measures it (a 1 MiB body in milliseconds, on the event loop): what a JSON parser makes
+    is a tree no larger than its text, and a YAML document has passed `bounded_yaml_loader`, which bounds
+    its expansion before it is built. What the encoder refuses (a date as a key, an integer over 4300
+    digits) is walked instead."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    except ValueError as exc:
+        if "Circular reference" in str(exc):
+            raise SelfReference("the document contains itself (an alias inside its own anchor)") from None
+    except (TypeError, RecursionError):
+        pass
+    else:
+        return len(text.encode("utf-8", "surrogatepass"))
     return _expanded_size(value, limit, _value_children, _value_size)
 
 

@@ -151,3 +151,28 @@ def test_an_idempotency_replay_does_not_get_around_the_cap_or_the_content_type(s
     assert wrong.status_code == 415, wrong.text
     again = small_cap.post("/v1/jobs", json={"spec": spec}, headers={**auth, **key})
     assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{}, [], "é\n\x00", {"a": [1, -2, 2.5, None, True, False, 'q"\\']}, {1: 2, None: False}, [[{}]] * 3],
+)
+def test_json_size_is_the_compact_json_size(value) -> None:
+    from service.api.doc_size import _expanded_size, _value_children, _value_size, json_size
+
+    exact = len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+    assert json_size(value, 1 << 20) == exact
+    assert _expanded_size(value, 1 << 20, _value_children, _value_size) == exact  # the walk agrees
+
+
+def test_an_alias_bomb_is_measured_as_expanded_in_the_time_of_its_text() -> None:
+    """Ten levels of ten aliases: 10^10 leaves as written in 300 bytes. The composed document is
+    measured past the cap by visiting each distinct node once (no expansion is ever built)."""
+    from service.api.doc_size import SelfReference, yaml_node_size
+
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 10)]
+    node = yaml.compose("\n".join(lines), Loader=yaml.CSafeLoader)
+    assert yaml_node_size(node, 1 << 20) > 1 << 20
+    with pytest.raises(SelfReference):
+        yaml_node_size(yaml.compose("a: &a [*a]", Loader=yaml.CSafeLoader), 1 << 20)
