@@ -56,3 +56,8 @@ class CheckpointError(PeagleError):
         self.problems = list(problems)
         where = f"{path}: " if path else ""
         super().__init__(where + "; ".join(self.problems), param=param or path)
+
+
+class StopRequested(Exception):
+    """A long stage ended early because its caller's `should_stop` asked (a cancel, a shutdown, a time
+    limit); what it had finished is kept, nothing is half-written."""

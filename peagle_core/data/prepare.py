@@ -22,7 +22,7 @@ from peagle_core.data.chat import tokenize_conversation
 from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES, iter_rows
 from peagle_core.data.source import InputFile
 from peagle_core.data.vocab import build_draft_vocab, token_counts
-from peagle_core.errors import DataError, VerifierError
+from peagle_core.errors import DataError, StopRequested, VerifierError
 from peagle_core.io import atomic_dir, atomic_write_json
 from peagle_core.keys import content_key
 from peagle_core.spec import JobSpec
@@ -96,7 +96,7 @@ def _load_tokenizer_and_config(verifier: str, revision: str | None, trust_remote
     return tokenizer, config.get_text_config(), (local if local.is_dir() else None)
 
 
-class PrepareStopped(Exception):
+class PrepareStopped(StopRequested):
     """`prepare_dataset` ended early because its `should_stop` asked; nothing was written."""
 
 

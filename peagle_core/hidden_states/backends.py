@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from peagle_core.hidden_states.build import ComputeBackend, HiddenStateBackend
+from peagle_core.hidden_states.build import ComputeBackend, HiddenStateBackend, StopCheck, stop_if_asked
 from peagle_core.hidden_states.cache import (
     DEFAULT_SHARD_BYTES,
     MANIFEST,
@@ -89,14 +89,21 @@ class VllmBackend:
         self.on_group = on_group
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool) -> int:  # fmt: skip
+             shard_bytes: int, progress: bool, should_stop: StopCheck = None) -> int:  # fmt: skip
         before = set(cache.shards)
+        stop_if_asked(should_stop, "hidden-state build stopped before vLLM started")
         self.engine.start()
         hidden = int(self.engine.hidden_size or 0)
         token_bytes = bytes_per_token(cache.dtype, len(cache.fingerprint.layer_ids) * hidden, hidden)
         groups = plan_groups(dataset, todo, token_bytes, shard_bytes)
+
+        def on_group(n: int) -> None:  # a group's shard is committed: the place to stop
+            if self.on_group is not None:
+                self.on_group(n)
+            stop_if_asked(should_stop, "hidden-state build stopped after a committed group")
+
         self.engine.fill_groups(
-            cache.path, [[(i, dataset[i][0].reshape(-1).tolist()) for i in g] for g in groups], self.on_group
+            cache.path, [[(i, dataset[i][0].reshape(-1).tolist()) for i in g] for g in groups], on_group
         )
         cache.refresh()
         return len(set(cache.shards) - before)

@@ -3,7 +3,7 @@ and verifying one shard by shard against its manifest and the dataset's token id
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
-from peagle_core.errors import CacheError
+from peagle_core.errors import CacheError, StopRequested
 from peagle_core.hidden_states.cache import (
     DEFAULT_SHARD_BYTES,
     CacheFingerprint,
@@ -34,15 +34,25 @@ class BuildReport:
     total_bytes: int
 
 
+StopCheck = Callable[[], bool] | None
+
+
+def stop_if_asked(should_stop: StopCheck, what: str) -> None:
+    """StopRequested(`what`) when `should_stop` says so."""
+    if should_stop is not None and should_stop():
+        raise StopRequested(what)
+
+
 class HiddenStateBackend(Protocol):
     """Who computes a cache's hidden states: `name` is what its manifest records (a job's
     `hidden_states.engine`: transformers or vllm); `fill` computes the samples `todo` into `cache`, committing
-    a shard per about `shard_bytes`, and returns how many shards it wrote."""
+    a shard per about `shard_bytes`, and returns how many shards it wrote. `should_stop` is asked between
+    batches: StopRequested, with the shards committed so far kept."""
 
     name: str
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool) -> int: ...  # fmt: skip
+             shard_bytes: int, progress: bool, should_stop: StopCheck = None) -> int: ...  # fmt: skip
 
 
 @dataclass
@@ -54,7 +64,7 @@ class ComputeBackend:
     name: str = "transformers"
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool) -> int:  # fmt: skip
+             shard_bytes: int, progress: bool, should_stop: StopCheck = None) -> int:  # fmt: skip
         from tqdm import tqdm
 
         dtype, shards = cache.dtype, 0
@@ -62,6 +72,10 @@ class ComputeBackend:
         buffered = 0
         with tqdm(total=len(todo), disable=not progress, unit="sample", desc="hidden states") as bar:
             for start in range(0, len(todo), batch_size):
+                if should_stop is not None and should_stop():
+                    if buffer:  # what was computed is kept: the next attempt resumes after it
+                        shards += cache.write_shard(buffer) is not None
+                    raise StopRequested(f"hidden-state build stopped after {shards} new shard(s)")
                 group = todo[start : start + batch_size]
                 records = self.compute(group)
                 if len(records) != len(group):
@@ -90,6 +104,7 @@ def build_cache(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     dataset_dir: str | None = None,
     progress: bool = False,
+    should_stop: StopCheck = None,
 ) -> BuildReport:
     """Fill the cache with every sample of `dataset`, computing missing ones with `backend`
     (`ComputeBackend(compute)` in this process, `peagle_core.hidden_states.backends.VllmBackend` through
@@ -97,7 +112,8 @@ def build_cache(
 
     Resumable: cached samples are skipped and a shard is committed (file renamed, then manifest
     replaced) once about `shard_bytes` are computed, so an interrupted build loses at most one shard's
-    work and a second run of a finished build computes nothing.
+    work and a second run of a finished build computes nothing. `should_stop` is asked between batches
+    (StopRequested, the committed shards kept).
     """
     if batch_size < 1:
         raise CacheError("batch_size must be >= 1", param="batch_size")
@@ -111,8 +127,9 @@ def build_cache(
     )
     todo = [i for i in range(len(dataset)) if i not in cache]
     shards = backend.fill(
-        cache, dataset, todo, batch_size=batch_size, shard_bytes=shard_bytes, progress=progress
-    )
+        cache, dataset, todo, batch_size=batch_size, shard_bytes=shard_bytes, progress=progress,
+        should_stop=should_stop,
+    )  # fmt: skip
     return BuildReport(len(todo), len(dataset) - len(todo), shards, len(cache), cache.total_bytes)
 
 

@@ -133,10 +133,14 @@ class VllmHiddenStates:
                 if on_group is not None:
                     on_group(len(g))
             return
-        with ThreadPoolExecutor(max_workers=len(self._children)) as pool:
+        pool = ThreadPoolExecutor(max_workers=len(self._children))
+        try:
             for g, _ in zip(groups, pool.map(lambda g: self.fill(cache_dir, g), groups), strict=True):
                 if on_group is not None:
                     on_group(len(g))
+        finally:
+            # `on_group` may raise (a stop request): the groups not yet started are dropped, not run.
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _devices(rank: int, tp: int, dp: int) -> str | None:

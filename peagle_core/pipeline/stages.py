@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from peagle_core import keys as stage_keys
 from peagle_core.data.formats import DEFAULT_MAX_LINE_BYTES
 from peagle_core.data.source import InputFile
-from peagle_core.errors import DataError
+from peagle_core.errors import DataError, StopRequested
 from peagle_core.events import CallbackReporter, Event, Level, Reporter
 from peagle_core.io import atomic_dir
 from peagle_core.keys import HIDDEN_STATES, PREPARE, REGENERATE
@@ -196,7 +196,11 @@ class Pipeline:
         if before_train is not None:
             before_train()
         train = train_stage or train_here
-        return train(self.spec, self.work_dir, dataset_dir, cache_dir, self.cb, resume)
+        try:
+            return train(self.spec, self.work_dir, dataset_dir, cache_dir, self.cb, resume)
+        except StopRequested as stop:  # a stop before the first step (the hidden-state build)
+            self.cb.log("stopped", str(stop))
+            return PipelineResult.stopped()
 
     def _key(self, stage: str) -> str:
         key_fn = {

@@ -7,6 +7,7 @@ optimizer, the packed batches of each epoch and the vLLM judge (the data comes f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,12 @@ def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:
 
 
 def build_source(
-    spec: JobSpec, dataset: PreparedDataset, verifier: Verifier, cache_root: Path, info: dist_utils.DistInfo
-) -> HiddenStateSource:
+    spec: JobSpec, dataset: PreparedDataset, verifier: Verifier, cache_root: Path, info: dist_utils.DistInfo,
+    should_stop: Callable[[], bool] | None = None,
+) -> HiddenStateSource:  # fmt: skip
     """The hidden-state source of `spec.hidden_states.mode`, computing with `spec.hidden_states.engine`; an
-    offline job without a complete cache builds it first."""
+    offline job without a complete cache builds it first (StopRequested when `should_stop` ends the build;
+    asked only in a single-process run, whose other ranks cannot be left waiting)."""
     fingerprint = CacheFingerprint.of(verifier, dataset)
     pad = verifier.tokenizer.pad_token_id or 0
     hs = spec.hidden_states
@@ -67,7 +70,8 @@ def build_source(
                 cache_backend(cache_root, hs.engine), dataset,
                 verifier_factory=lambda: verifier, vllm_factory=vllm, pad_token_id=pad,
             ) as backend:  # fmt: skip
-                build_cache(cache_root, dataset, backend, fingerprint, dtype=hs.dtype)
+                stop = should_stop if info.world_size == 1 else None
+                build_cache(cache_root, dataset, backend, fingerprint, dtype=hs.dtype, should_stop=stop)
     dist_utils.barrier(info)
     return make_source(
         hs.mode,

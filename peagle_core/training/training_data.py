@@ -54,4 +54,4 @@ def open_source(
 ) -> HiddenStateSource:
     """The hidden-state source of `spec.hidden_states.mode`, announced (an offline cache is built first)."""
     hooks.event("hidden_states", f"hidden states: {spec.hidden_states.mode}", cache_dir=str(cache_root))
-    return build_source(spec, dataset, verifier, cache_root, hooks.info)
+    return build_source(spec, dataset, verifier, cache_root, hooks.info, should_stop=hooks.should_stop)

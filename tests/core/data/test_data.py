@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from peagle_core.cli import build_app
 from peagle_core.data import PreparedDataset, prepare_dataset, validate_jsonl
 from peagle_core.data.chat import has_generation_markers, tokenize_conversation
-from peagle_core.data.prepare import skipped_rows_note
+from peagle_core.data.prepare import PrepareStopped, skipped_rows_note
 from peagle_core.data.vocab import build_draft_vocab
 from peagle_core.errors import DataError
 
@@ -309,3 +309,11 @@ def test_a_missing_dataset_file_is_named_the_same_way_everywhere(tmp_path: Path)
         with pytest.raises(DataError, match="does not exist") as exc:
             call()
         assert (exc.value.code, exc.value.param) == ("dataset_not_found", "data")
+
+
+def test_prepare_stops_between_rows_when_asked(toy_verifier_dir: Path, tmp_path: Path) -> None:
+    path = _write(tmp_path / "d.jsonl", [{"messages": CONV}] * 10)
+    asked = iter([False] * 6 + [True])
+    with pytest.raises(PrepareStopped, match="stopped at line 7"):
+        prepare_dataset(toy_verifier_dir, path, tmp_path / "out", seq_len=64, should_stop=lambda: next(asked))
+    assert not (tmp_path / "out").exists()  # nothing half-written
