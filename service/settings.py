@@ -66,6 +66,12 @@ class Settings(BaseSettings):
         ge=0,
         description="Seconds a cancelled running job gets to save a checkpoint before it is stopped hard.",
     )
+    stage_timeout_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="Longest one stage of a job attempt (regenerate, prepare, hidden states, train, eval, "
+        "export) may run: past it the stage stops at its next check and the job fails with stage_timeout.",
+    )
     allowed_model_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=list,
         description="Server directories a spec's verifier.name_or_path may point into "

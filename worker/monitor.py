@@ -4,7 +4,8 @@
 the job's status at most every `poll_s` and, every `heartbeat_s`, stamps `heartbeat_at` (database time)
 and refreshes the job's liveness key in Redis: how the reconciler tells a live job from one whose worker
 died. Every check and stamp is for the attempt this worker claimed (its fencing token): once the job is
-claimed again by someone else, this worker's job is `lost`. A member machine of a multi-node job
+claimed again by someone else, this worker's job is `lost`. A stage that runs past `stage_timeout_s` asks
+the job to stop too (`timed_out_stage`). A member machine of a multi-node job
 (`slot`) stamps its own `job_nodes` row instead: the job's heartbeat stays its leader's.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 
 from redis import Redis
 
@@ -47,6 +49,7 @@ class JobMonitor:
         heartbeat_s: float = 10.0,
         redis: Redis | None = None,
         slot: int | None = None,
+        stage_timeout_s: float | None = None,
     ):
         self.ctx = ctx
         self.slot = slot
@@ -56,13 +59,38 @@ class JobMonitor:
         self.cancel_requested = threading.Event()
         self.lost = threading.Event()
         self.preempted = threading.Event()
+        # The stage that ran past `stage_timeout_s` (set once): the job stops there and fails.
+        self.stage_timeout_s = stage_timeout_s
+        self.timed_out_stage: str | None = None
+        self._stage = ("starting", time.monotonic())
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"monitor-{ctx.job_id}", daemon=True)
         # Its own thread: a database call stuck in its connect timeout must not delay the Redis beat.
         self._alive_thread = threading.Thread(target=self._run_alive, name=f"alive-{ctx.job_id}", daemon=True)
 
     def should_stop(self) -> bool:
-        return self.cancel_requested.is_set() or self.lost.is_set() or self.preempted.is_set()
+        return (
+            self.cancel_requested.is_set()
+            or self.lost.is_set()
+            or self.preempted.is_set()
+            or self.timed_out_stage is not None
+        )
+
+    def enter_stage(self, stage: str) -> None:
+        """`stage` starts now: its time limit counts from here."""
+        self._stage = (stage, time.monotonic())
+
+    def check_stage_time(self) -> None:
+        """Mark the current stage timed out once it has run longer than `stage_timeout_s`."""
+        stage, since = self._stage
+        limit = self.stage_timeout_s
+        if limit is not None and self.timed_out_stage is None and time.monotonic() - since > limit:
+            log.warning(
+                "job %s: the %s stage ran past its %gs limit; stopping it", self.ctx.job_id, stage, limit
+            )
+            self.timed_out_stage = stage
+            # Ranks under torchrun and a gang's members stop on `preempted`; the runner tells a timeout apart.
+            self.preempted.set()
 
     def should_stop_now(self) -> bool:
         """`should_stop`, after reading the job row here and now: for stages whose units of work are long
@@ -118,6 +146,7 @@ class JobMonitor:
         since_beat = self.heartbeat_s  # beat at once: the claim's stamp may already be a few seconds old
         while not self._done.wait(self.poll_s):
             since_beat += self.poll_s
+            self.check_stage_time()
             try:
                 if since_beat >= self.heartbeat_s:
                     since_beat = 0.0

@@ -103,6 +103,7 @@ class JobRunner:
             ctx,
             heartbeat_s=self.settings.worker_heartbeat_s,
             redis=redis_from_url(self.settings.redis_url),
+            stage_timeout_s=self.settings.stage_timeout_s,
         ).start()
         monitor.stop_on_signal()
         progress = ProgressWriter(ctx).start()
@@ -144,7 +145,8 @@ class JobRunner:
         self, job: Job, spec: JobSpec, result: PipelineResult, monitor: JobMonitor, *, lost: bool
     ) -> str:
         """The job's status once its pipeline returned: dropped when the attempt lost the job, cancelled
-        on request, requeued when the worker (or a member machine of a gang) drains, else published."""
+        on request, published when it completed, failed when a stage ran out of time, requeued when the
+        worker (or a member machine of a gang) drains."""
         if lost:
             log.warning("job %s is no longer attempt %d's; dropping its result", self.job_id, self.attempt)
             return "lost"
@@ -152,6 +154,8 @@ class JobRunner:
             return self._finish_cancelled(result)
         if result.status != "stopped":
             return self._publish(job, result)
+        if monitor.timed_out_stage is not None:
+            return self._fail_timed_out(monitor.timed_out_stage)
         # A member machine's drain stops the whole gang: the job goes back to the queue as well.
         if monitor.preempted.is_set() or spec.resources.nodes_max > 1:
             return self._requeue_preempted(result)
@@ -160,12 +164,20 @@ class JobRunner:
     def _fail(self, exc: Exception) -> str:
         """The attempt raised: the job fails with the error, named by the stage it was in."""
         log.error("job %s failed during %s:\n%s", self.job_id, self.stage, traceback.format_exc())
-        error = error_for(exc, stage=self.stage)
+        return self._record_failure(error_for(exc, stage=self.stage), self.stage)
+
+    def _fail_timed_out(self, stage: str) -> str:
+        """A stage ran past `stage_timeout_s` and stopped: the job fails (its last checkpoint is kept)."""
+        limit = self.settings.stage_timeout_s
+        message = f"the {stage} stage ran longer than its limit of {limit:g}s (PEAGLE_STAGE_TIMEOUT_S)"
+        return self._record_failure({"code": "stage_timeout", "message": message, "param": None}, stage)
+
+    def _record_failure(self, error: dict[str, Any], stage: str) -> str:
         moved = self._move(
             "failed",
             expect=ACTIVE_STATUSES,
-            event=f"failed during {self.stage}: {error['message']}",
-            event_data={"error": error, "stage": self.stage},
+            event=f"failed during {stage}: {error['message']}",
+            event_data={"error": error, "stage": stage},
             level="error",
             error=error,
         )
@@ -290,6 +302,7 @@ class JobRunner:
 
         def on_stage(stage: str) -> None:
             self.stage = stage
+            monitor.enter_stage(stage)
             progress.set_stage(stage)
 
         callbacks = Callbacks(
