@@ -53,6 +53,24 @@ def printable(value: str, *, controls: bool = True) -> str:
 def first_text_problem(value: object) -> str | None:
     """The first unstorable string (a key or a value) anywhere in parsed JSON, as free text, with where it
     is (`messages[1].content: ...`); walked without recursion, so any depth the parser took is safe."""
+    # One regex search per string and no path built: a many-turn row costs what its text does. Where the
+    # problem is, is worked out only when there is one.
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _UNSTORABLE.search(item) is not None:
+                return _locate_text_problem(value)
+        elif isinstance(item, dict):
+            if any(_UNSTORABLE.search(key) is not None for key in item if isinstance(key, str)):
+                return _locate_text_problem(value)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+def _locate_text_problem(value: object) -> str | None:
     stack: list[tuple[str, object]] = [("", value)]
     while stack:
         where, item = stack.pop()

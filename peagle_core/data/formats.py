@@ -107,28 +107,29 @@ def _turns(obj: dict[str, Any], fmt: Format, line: int, prompts_only_ok: bool) -
         raise DataError(f"line {line}: empty conversation", param=f"line {line}")
     messages = []
     for i, turn in enumerate(turns):
-        where = f"line {line}: {key}[{i}]"
+        # The error's text is built only for the turn at fault: a row may have many thousands of turns.
         if not isinstance(turn, dict):
-            raise DataError(f"{where} must be an object", param=f"line {line}")
+            raise DataError(f"line {line}: {key}[{i}] must be an object", param=f"line {line}")
         role = turn.get(role_key)
         text = turn.get(text_key)
         if not isinstance(role, str):
-            raise DataError(f"{where} has no '{role_key}' string", param=f"line {line}")
+            raise DataError(f"line {line}: {key}[{i}] has no '{role_key}' string", param=f"line {line}")
         if fmt == "messages":
             if role not in ROLES:
                 raise DataError(
-                    f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})",
+                    f"line {line}: {key}[{i}]: unknown role {role!r} (expected one of {', '.join(ROLES)})",
                     param=f"line {line}",
                 )
         else:
             if role.lower() not in SHAREGPT_ROLES:
                 raise DataError(
-                    f"{where}: unknown role {role!r} (expected one of {', '.join(sorted(SHAREGPT_ROLES))})",
+                    f"line {line}: {key}[{i}]: unknown role {role!r} "
+                    f"(expected one of {', '.join(sorted(SHAREGPT_ROLES))})",
                     param=f"line {line}",
                 )
             role = SHAREGPT_ROLES[role.lower()]
         if not isinstance(text, str):
-            raise DataError(f"{where} has no '{text_key}' string", param=f"line {line}")
+            raise DataError(f"line {line}: {key}[{i}] has no '{text_key}' string", param=f"line {line}")
         messages.append({"role": role, "content": text})
     if all(m["role"] == "system" for m in messages):
         raise DataError(f"line {line}: empty conversation (only system turns)", param=f"line {line}")
