@@ -176,3 +176,29 @@ def test_an_alias_bomb_is_measured_as_expanded_in_the_time_of_its_text() -> None
     assert yaml_node_size(node, 1 << 20) > 1 << 20
     with pytest.raises(SelfReference):
         yaml_node_size(yaml.compose("a: &a [*a]", Loader=yaml.CSafeLoader), 1 << 20)
+
+
+def test_a_page_of_jobs_stops_at_its_spec_budget(small_cap, auth, spec) -> None:
+    """Each job stores up to twice the cap; a page of 100 such jobs would be 200 caps to serialise. A page
+    stops once its specs pass 8 caps, and the cursor walks on to the rest."""
+    from service.api.routes.jobs import PAGE_SPEC_CAPS
+
+    near_cap = {**spec, "evaluation": {"prompts": ["p" * 700] * 3}}
+    made = []
+    for _ in range(6):
+        r = small_cap.post("/v1/jobs", json={"spec": near_cap}, headers=auth)
+        assert r.status_code == 201, r.text
+        made.append(r.json()["id"])
+    seen, after, pages = [], None, 0
+    while True:
+        r = small_cap.get(
+            "/v1/jobs", params={"limit": 100, **({"after": after} if after else {})}, headers=auth
+        )
+        page = r.json()
+        assert len(r.content) <= (PAGE_SPEC_CAPS + 2) * 4096, len(r.content)
+        seen += [j["id"] for j in page["data"]]
+        pages += 1
+        if not page["has_more"]:
+            break
+        after = page["next_cursor"]
+    assert seen == made[::-1] and pages > 1

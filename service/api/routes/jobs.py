@@ -83,9 +83,32 @@ def create_job(
     return schemas.Job.model_validate(created.job)
 
 
-@router.get("", response_model=schemas.JobList, responses=_ERRORS, summary="List jobs, newest first")
+# A page of jobs holds at most this many times PEAGLE_MAX_SPEC_BYTES of specs (each job stores up to two,
+# resolved and as sent): a page of 100 jobs at the cap would otherwise be 200 times the cap to serialise.
+PAGE_SPEC_CAPS = 8
+
+
+def _within_spec_budget(rows: list[Job], has_more: bool, budget: int) -> tuple[list[Job], bool]:
+    """The first rows whose stored specs fit in `budget` bytes (at least one), and whether more follow."""
+    total = 0
+    for i, job in enumerate(rows):
+        total += len(json.dumps(job.spec)) + len(json.dumps(job.spec_submitted))
+        if total > budget and i > 0:
+            return rows[:i], True
+    return rows, has_more
+
+
+@router.get(
+    "",
+    response_model=schemas.JobList,
+    responses=_ERRORS,
+    summary="List jobs, newest first",
+    description=f"At most `limit` jobs; a page stops earlier (`has_more`) once its jobs' specs pass "
+    f"{PAGE_SPEC_CAPS} times `PEAGLE_MAX_SPEC_BYTES`.",
+)
 def list_jobs(
     db: DB,
+    settings: AppSettings,
     project: CurrentProject,
     status: Annotated[schemas.JobStatus | None, Query(description="Only jobs in this status.")] = None,
     after: Annotated[
@@ -96,7 +119,7 @@ def list_jobs(
     page = jobs_crud.list_jobs(db, project.id, status=status, after=after, limit=limit)
     if page is None:
         raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
-    rows, has_more = page
+    rows, has_more = _within_spec_budget(*page, PAGE_SPEC_CAPS * settings.max_spec_bytes)
     return schemas.JobList.of(rows, has_more)
 
 
