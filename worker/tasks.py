@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,8 @@ def run_job(job_id: str) -> str:
     from worker.runner import JobRunner
 
     # The RQ parent never opens a database connection (worker.pool), so the horse starts with none.
-    return JobRunner(get_settings(), job_id, worker_identity()).run()
+    with ended_with_the_job():
+        return JobRunner(get_settings(), job_id, worker_identity()).run()
 
 
 def run_plan(spec: dict, data: dict, recalibrate: bool = False) -> dict:
@@ -31,7 +34,8 @@ def run_plan(spec: dict, data: dict, recalibrate: bool = False) -> dict:
     from service.settings import get_settings
     from worker.planner import plan_for_api
 
-    return plan_for_api(get_settings(), spec, data, recalibrate=recalibrate)
+    with ended_with_the_job():
+        return plan_for_api(get_settings(), spec, data, recalibrate=recalibrate)
 
 
 def join_job(job_id: str, attempt: int, slot: int) -> str:
@@ -39,4 +43,20 @@ def join_job(job_id: str, attempt: int, slot: int) -> str:
     from service.settings import get_settings
     from worker.gang import GangMember
 
-    return GangMember(get_settings(), job_id, attempt, slot, worker_identity()).run()
+    with ended_with_the_job():
+        return GangMember(get_settings(), job_id, attempt, slot, worker_identity()).run()
+
+
+@contextlib.contextmanager
+def ended_with_the_job() -> Iterator[None]:
+    """In an RQ work horse, end whatever child processes the task left running once it returns or raises
+    (called directly, outside RQ, nothing is touched)."""
+    try:
+        yield
+    finally:
+        from rq import get_current_job
+
+        if get_current_job() is not None:
+            from worker.leftovers import end_children
+
+            end_children()
