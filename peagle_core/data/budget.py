@@ -55,7 +55,7 @@ def take_conversations(
         if not line.strip():
             continue
         messages = json.loads(line)["messages"]
-        ids, mask = tokenize_conversation(tokenizer, messages, line=number)
+        ids, mask = tokenize_conversation(tokenizer, messages, line=number, max_tokens=seq_len)
         if 1 not in mask[: seq_len - MIN_TRAINABLE]:
             skipped += 1
             continue
