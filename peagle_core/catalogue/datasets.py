@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -122,75 +123,88 @@ def get_dataset(
     entry = dataset_entry(name)
     if limit is not None and limit < 1:
         raise CatalogueError("limit must be >= 1", param="limit")
-    options = {"limit": limit, "first_turn": first_turn, "prompts_only": prompts_only}
-    if out is None:
-        suffix = "".join(
-            (("-first-turn" if first_turn else ""), ("-prompts" if prompts_only else ""),
-             (f"-n{limit}" if limit else ""))
-        )  # fmt: skip
-        out = datasets_dir() / f"{name}{suffix}.jsonl"
-    out = Path(out).expanduser()
+    out = Path(out if out is not None else _cache_path(name, limit, first_turn, prompts_only)).expanduser()
     base = {
         "catalogue_data_version": CATALOGUE_DATA_VERSION,
         "dataset": entry.name,
         **source_provenance(entry),
         "package_licence": entry.wheel.licence,
-        "options": options,
+        "options": {"limit": limit, "first_turn": first_turn, "prompts_only": prompts_only},
         "format": "messages",
     }
     cached = _reusable(out, base)
     if cached is not None:
         return out, cached
-
-    reader = _READERS[entry.reader]
-    skipped: Counter[str] = Counter()
-    categories: Counter[str] = Counter()
-    lines: list[str] = []
-    source = prompts_only_rows = 0
+    rows = _Rows(entry.answers, first_turn, prompts_only)
     with open_member(entry.wheel, entry.member) as f:
-        for rec in reader(f):
-            if isinstance(rec, str):
-                skipped[rec] += 1
-                source += rec != "truncated"
-                continue
-            if limit is not None and len(lines) >= limit:
+        for rec in _READERS[entry.reader](f):
+            if not isinstance(rec, str) and limit is not None and len(rows.lines) >= limit:
                 break
-            source += 1
-            msgs, category, rid = rec
-            shaped = _shape(msgs, first_turn, prompts_only)
-            if isinstance(shaped, str):
-                skipped[shaped] += 1
-                continue
-            row: dict[str, Any] = {"messages": shaped, "id": rid}
-            if category:
-                row["category"] = category
-            try:  # the data layer's own check: what we write, it reads
-                parsed = parse_row(row, "messages", len(lines) + 1, prompts_only_ok=True)
-            except DataError:
-                skipped["invalid"] += 1
-                continue
-            if parsed.prompts_only and entry.answers and not prompts_only:
-                skipped["no_assistant_turn"] += 1
-                continue
-            prompts_only_rows += parsed.prompts_only
-            lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-            if category:
-                categories[category] += 1
-    if not lines:
-        raise CatalogueError(f"{name}: no row left to write ({dict(skipped)})", param="name")
-    atomic_write_bytes(out, "".join(lines).encode())
-    prov = base | {
-        "output_sha256": sha256_file(out),
-        "counts": {
-            "source_records": source,
-            "written": len(lines),
-            "prompts_only_rows": prompts_only_rows,
-            "skipped": dict(sorted(skipped.items())),
-            "categories": dict(sorted(categories.items())),
-        },
-    }
+            rows.take(rec)
+    if not rows.lines:
+        raise CatalogueError(f"{name}: no row left to write ({dict(rows.skipped)})", param="name")
+    atomic_write_bytes(out, "".join(rows.lines).encode())
+    prov = base | {"output_sha256": sha256_file(out), "counts": rows.counts()}
     atomic_write_json(provenance_path(out), prov)
     return out, prov
+
+
+def _cache_path(name: str, limit: int | None, first_turn: bool, prompts_only: bool) -> Path:
+    suffix = "".join(
+        (("-first-turn" if first_turn else ""), ("-prompts" if prompts_only else ""),
+         (f"-n{limit}" if limit else ""))
+    )  # fmt: skip
+    return datasets_dir() / f"{name}{suffix}.jsonl"
+
+
+@dataclass
+class _Rows:
+    """The JSONL lines kept so far and the counts the provenance reports."""
+
+    answers: bool  # the source has answers: a row left without one is skipped unless prompts_only
+    first_turn: bool
+    prompts_only: bool
+    lines: list[str] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)
+    categories: Counter[str] = field(default_factory=Counter)
+    source: int = 0
+    prompts_only_rows: int = 0
+
+    def take(self, rec: Record) -> None:
+        if isinstance(rec, str):
+            self.skipped[rec] += 1
+            self.source += rec != "truncated"
+            return
+        self.source += 1
+        msgs, category, rid = rec
+        shaped = _shape(msgs, self.first_turn, self.prompts_only)
+        if isinstance(shaped, str):
+            self.skipped[shaped] += 1
+            return
+        row: dict[str, Any] = {"messages": shaped, "id": rid}
+        if category:
+            row["category"] = category
+        try:  # the data layer's own check: what we write, it reads
+            parsed = parse_row(row, "messages", len(self.lines) + 1, prompts_only_ok=True)
+        except DataError:
+            self.skipped["invalid"] += 1
+            return
+        if parsed.prompts_only and self.answers and not self.prompts_only:
+            self.skipped["no_assistant_turn"] += 1
+            return
+        self.prompts_only_rows += parsed.prompts_only
+        self.lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+        if category:
+            self.categories[category] += 1
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "source_records": self.source,
+            "written": len(self.lines),
+            "prompts_only_rows": self.prompts_only_rows,
+            "skipped": dict(sorted(self.skipped.items())),
+            "categories": dict(sorted(self.categories.items())),
+        }
 
 
 def _reusable(out: Path, base: dict[str, Any]) -> dict[str, Any] | None:
