@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 
+from peagle_core.processes import stop_process
 from service.settings import Settings, get_settings
 from worker.job_io import setup_logging
 
@@ -53,6 +54,7 @@ def group_gpus(gpus: list[str], per_worker: int) -> list[str]:
     return [",".join(g) for g in groups if len(g) == per_worker]
 
 
+SIDECAR_GRACE_S = 5.0  # how long the reconciler sidecar gets to exit on SIGTERM
 # How long RQ's command listener (stop-job requests) waits per poll: also how long it takes to stop.
 COMMAND_POLL_S = 1.0
 
@@ -137,8 +139,9 @@ def run_pool(
         return max(codes, default=0)
     finally:
         if sidecar is not None:
-            sidecar.terminate()
-            sidecar.wait(timeout=30)
+            # Killed if it has not exited in time (a reconcile pass stuck on the database): the pool's
+            # own stop stays bounded and leaves nothing behind.
+            stop_process(sidecar, grace_s=SIDECAR_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
