@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -137,29 +138,20 @@ def run_ranks(
     Without `rendezvous` torchrun is standalone (one machine); with it, this machine is one node of the
     gang (`leader`: it hosts the store and its ranks come first). `abort` set (the job is no longer this
     attempt's): torchrun is stopped unless its ranks end within ABANDON_GRACE_S. `node` tells apart the files of machines sharing `out_dir`."""
-    settings, spec, out_dir, attempt = launch.settings, launch.spec, launch.out_dir, launch.attempt
+    out_dir, attempt = launch.out_dir, launch.attempt
     suffix = f"-node{node}" if node else ""
     spec_path = out_dir / f"spec-attempt{attempt}{suffix}.json"
-    atomic_write_json(spec_path, spec.model_dump(mode="json", exclude_unset=True))
+    atomic_write_json(spec_path, launch.spec.model_dump(mode="json", exclude_unset=True))
     pid_dir = out_dir / f"ranks-attempt{attempt}{suffix}"
     shutil.rmtree(pid_dir, ignore_errors=True)
     pid_dir.mkdir(parents=True)
-    env = {
-        **os.environ,
-        "PEAGLE_DATABASE_URL": settings.database_url,
-        "PEAGLE_ARTIFACT_ROOT": settings.artifact_root,
-        "PEAGLE_REDIS_URL": settings.redis_url,
-    }
-    if rank_device(spec.resources.gpus) == "cpu":
-        # CPU ranks share the cores: one intra-op thread each avoids oversubscription.
-        env.setdefault("OMP_NUM_THREADS", "1")
     if rendezvous is None:
         rdzv = ["--standalone"]
     else:
-        rdzv = rendezvous.torchrun_args(is_host=leader, local_addr=settings.worker_address)
+        rdzv = rendezvous.torchrun_args(is_host=leader, local_addr=launch.settings.worker_address)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", *rdzv,
-        f"--nproc-per-node={spec.resources.gpus}",
+        f"--nproc-per-node={launch.spec.resources.gpus}",
         "-m", "worker.multigpu",
         "--job-id", launch.job_id, "--spec", str(spec_path), "--out-dir", str(out_dir),
         "--dataset-dir", str(launch.dataset_dir), "--attempt", str(attempt), "--worker-name", launch.worker_name,
@@ -170,36 +162,63 @@ def run_ranks(
         cmd += ["--cache-dir", str(launch.cache_dir)]
     if rendezvous is not None and leader:
         cmd += ["--leader"]
-    proc = subprocess.Popen(cmd, env=env)
-    signalled: set[int] = set()
-    finished_at: float | None = None
+    proc = subprocess.Popen(cmd, env=_rank_env(launch.settings, launch.spec))
     try:
-        while proc.poll() is None:
-            if finished_at is None and result_path.is_file():
-                finished_at = time.monotonic()
-            if finished_at is not None and time.monotonic() - finished_at > RANK_EXIT_GRACE_S:
-                log.warning(
-                    "job %s attempt %d: ranks still running %.0f s after rank 0's result; stopping torchrun",
-                    launch.job_id, attempt, RANK_EXIT_GRACE_S,
-                )  # fmt: skip
-                stop_process(proc, grace_s=10)
-                return proc.returncode
-            if abort is not None and abort.is_set():
-                # The ranks see it too and stop on their own (a job that just finished ends this way).
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    return proc.wait(timeout=ABANDON_GRACE_S)
-                raise JobAbandoned
-            if preempted is not None and preempted.is_set():
-                # Again each round: a rank that announced itself since the last round is told too.
-                signalled |= forward_signal(pid_dir, PREEMPT_SIGNAL, skip=signalled)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.5)
+        _supervise(proc, launch, result_path, pid_dir, preempted, abort)
     except BaseException:
         # The horse itself is going (a timeout, an interrupt) or the job was taken from this attempt:
         # torchrun stops its ranks on SIGTERM.
         stop_process(proc, grace_s=30)
         raise
     return proc.returncode
+
+
+def _rank_env(settings: Settings, spec: JobSpec) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "PEAGLE_DATABASE_URL": settings.database_url,
+        "PEAGLE_ARTIFACT_ROOT": settings.artifact_root,
+        "PEAGLE_REDIS_URL": settings.redis_url,
+    }
+    if rank_device(spec.resources.gpus) == "cpu":
+        # CPU ranks share the cores: one intra-op thread each avoids oversubscription.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _supervise(
+    proc: subprocess.Popen[bytes],
+    launch: RankLaunch,
+    result_path: Path,
+    pid_dir: Path,
+    preempted: threading.Event | None,
+    abort: threading.Event | None,
+) -> None:
+    """Wait for torchrun to exit, forwarding a drain's signal to the ranks; stop it once its ranks outstay
+    RANK_EXIT_GRACE_S past rank 0's result, or ABANDON_GRACE_S past `abort` (then raise JobAbandoned)."""
+    signalled: set[int] = set()
+    finished_at: float | None = None
+    while proc.poll() is None:
+        if finished_at is None and result_path.is_file():
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > RANK_EXIT_GRACE_S:
+            log.warning(
+                "job %s attempt %d: ranks still running %.0f s after rank 0's result; stopping torchrun",
+                launch.job_id, launch.attempt, RANK_EXIT_GRACE_S,
+            )  # fmt: skip
+            stop_process(proc, grace_s=10)
+            return
+        if abort is not None and abort.is_set():
+            # The ranks see it too and stop on their own (a job that just finished ends this way).
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=ABANDON_GRACE_S)
+                return
+            raise JobAbandoned
+        if preempted is not None and preempted.is_set():
+            # Again each round: a rank that announced itself since the last round is told too.
+            signalled |= forward_signal(pid_dir, PREEMPT_SIGNAL, skip=signalled)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
 
 
 class JobAbandoned(Exception):
@@ -298,7 +317,7 @@ def _announce(pid_dir: Path, rank: int) -> None:
     tmp.rename(pid_dir / f"rank-{rank}.pid")
 
 
-def _rank_main(argv: list[str] | None = None) -> int:
+def _rank_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     for name in (
         "--job-id",
@@ -313,13 +332,16 @@ def _rank_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir")
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--leader", action="store_true", help="this machine leads a multi-node job")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _rank_main(argv: list[str] | None = None) -> int:
+    args = _rank_args(argv)
     # Before the imports below start any thread (torch, the database pool); announced once the trainer can
     # act on it.
     preempted = threading.Event()
     listen_for_preemption(preempted)
 
-    from peagle_core.training.loop import train
     from service.db.session import session_factory
     from service.settings import get_settings
     from worker.monitor import JobMonitor
@@ -349,13 +371,30 @@ def _rank_main(argv: list[str] | None = None) -> int:
     # Only rank 0 reports: one set of metric rows, progress and events per job.
     progress = ProgressWriter(ctx).start() if rank == 0 else None
     reporter = JobReporter(progress, on_stage=progress.set_stage) if progress else None
+    try:
+        return _train_rank(args, spec, rank, reporter, monitor.should_stop)
+    finally:
+        if progress is not None:
+            progress.close(tolerance_s=settings.db_outage_tolerance_s)
+        monitor.stop()
+
+
+def _train_rank(
+    args: argparse.Namespace,
+    spec: JobSpec,
+    rank: int,
+    reporter: JobReporter | None,
+    should_stop: Callable[[], bool],
+) -> int:
+    """Train this rank's share; rank 0 writes the result (or the error) for the horse. Returns the exit code."""
+    from peagle_core.training.loop import train
 
     try:
         result = train(
             spec,
             Path(args.out_dir),
             reporter=reporter,
-            should_stop=monitor.should_stop,
+            should_stop=should_stop,
             resume=True,
             dataset_dir=Path(args.dataset_dir),
             cache_dir=Path(args.cache_dir) if args.cache_dir else None,
@@ -365,10 +404,6 @@ def _rank_main(argv: list[str] | None = None) -> int:
         if rank == 0:
             atomic_write_json(args.result, {"error": error_for(exc, stage="train")})
         return 1
-    finally:
-        if progress is not None:
-            progress.close(tolerance_s=settings.db_outage_tolerance_s)
-        monitor.stop()
     if rank == 0:
         atomic_write_json(args.result, result.to_dict())
     return 0
