@@ -217,11 +217,7 @@ def distillation_loss(
     loss_mask = loss_positions(batch)
     teacher_rows = teacher(batch.verifier_last_hidden_states[0])
     if objective.in_vocab_targets_only:
-        # A position whose greedy token the drafter cannot propose teaches nothing a draft can win.
-        where = torch.nonzero(loss_mask).flatten()
-        keep = torch.zeros_like(loss_mask)
-        keep[where] = teacher.top1_in_draft_vocab(teacher_rows[where]).to(loss_mask.dtype)
-        loss_mask = keep
+        loss_mask = _in_vocab_targets(loss_mask, teacher, teacher_rows)
     device = batch.input_ids.device
     anchor_pos, depth = rows[0].to(device), rows[1].to(device)
     counts = torch.bincount(depth[_is_loss_target(loss_mask, anchor_pos + depth)], minlength=num_depths)
@@ -233,9 +229,7 @@ def distillation_loss(
     else:
         in_segment = torch.ones_like(anchor_pos, dtype=torch.bool)
     if anchor_pos.numel() == 0:  # an empty segment contributes nothing
-        zero = drafter.lm_head.weight.sum() * 0.0
-        names = ["loss"] + [f"{m}_{d}" for m in ("acc", "positions") for d in range(num_depths)]
-        return LossOutput(zero, {name: zero.detach() for name in names})
+        return _empty_loss(drafter.lm_head.weight, num_depths)
 
     hidden = model(
         batch.hidden_states[0],
@@ -257,11 +251,33 @@ def distillation_loss(
         objective.row_weights(counts, row_depth),
         tv_weight=objective.tv_weight,
     )
+    return LossOutput(result.loss, _depth_metrics(result.loss, result.correct, row_depth, counts, num_depths))
 
-    metrics: dict[str, torch.Tensor] = {"loss": result.loss.detach()}
+
+def _in_vocab_targets(loss_mask: torch.Tensor, teacher: Teacher, teacher_rows: torch.Tensor) -> torch.Tensor:
+    """`loss_mask` without the positions whose greedy token the drafter's vocabulary lacks: they teach
+    nothing a draft can win."""
+    where = torch.nonzero(loss_mask).flatten()
+    keep = torch.zeros_like(loss_mask)
+    keep[where] = teacher.top1_in_draft_vocab(teacher_rows[where]).to(loss_mask.dtype)
+    return keep
+
+
+def _empty_loss(lm_head_weight: torch.Tensor, num_depths: int) -> LossOutput:
+    # Zero, yet part of the graph: backward runs on it as on any segment's loss.
+    zero = lm_head_weight.sum() * 0.0
+    names = ["loss"] + [f"{m}_{d}" for m in ("acc", "positions") for d in range(num_depths)]
+    return LossOutput(zero, {name: zero.detach() for name in names})
+
+
+def _depth_metrics(
+    loss: torch.Tensor, correct: torch.Tensor, row_depth: torch.Tensor, counts: torch.Tensor, num_depths: int
+) -> dict[str, torch.Tensor]:
+    """The loss, and per depth the accuracy (over the whole batch's `counts`) and this segment's positions."""
+    metrics: dict[str, torch.Tensor] = {"loss": loss.detach()}
     seg_counts = torch.bincount(row_depth, minlength=num_depths)
-    seg_correct = torch.bincount(row_depth, weights=result.correct.float(), minlength=num_depths)
+    seg_correct = torch.bincount(row_depth, weights=correct.float(), minlength=num_depths)
     for d in range(num_depths):
         metrics[f"acc_{d}"] = seg_correct[d] / counts[d].clamp_min(1)
         metrics[f"positions_{d}"] = seg_counts[d]
-    return LossOutput(result.loss, metrics)
+    return metrics
