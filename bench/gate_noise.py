@@ -93,12 +93,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from peagle_core.evaluation.acceptance import evaluate
+    from peagle_core.figures import Acceptance
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
     from peagle_core.serving.export import export_checkpoint
-    from peagle_core.serving.gate import Acceptance, acceptance_floor
+    from peagle_core.serving.gate import acceptance_floor
     from peagle_core.toy import build_corpus, build_toy_verifier, write_toy_dataset
-    from peagle_core.vllm_engine import VllmEngine, VllmRun
+    from peagle_core.vllm_engine import VllmProcess, VllmRun
 
     cache = Path(os.environ.get("PEAGLE_CACHE_DIR", Path.home() / ".cache" / "peagle")) / "toy"
     verifier_dir = build_toy_verifier(args.size, seed=0, cache_dir=cache)
@@ -136,7 +137,7 @@ def main() -> None:
                 sum(r.acceptance_rate_per_position[j] * r.verifier_passes for r in rs) / max(passes, 1)
                 for j in range(len(rs[0].acceptance_rate_per_position))
             ]
-            return Acceptance(al, rates, passes)
+            return Acceptance(al, rates, drafts=passes)
 
         def pooled_vllm(runs: list[VllmRun]) -> Acceptance:
             drafts = sum(r.num_drafts for r in runs)
@@ -145,7 +146,9 @@ def main() -> None:
                 sum(r.accepted_per_position[j] for r in runs)
                 for j in range(len(runs[0].accepted_per_position))
             ]
-            return Acceptance(1 + accepted / max(drafts, 1), [a / max(drafts, 1) for a in per_pos], drafts)
+            return Acceptance(
+                1 + accepted / max(drafts, 1), [a / max(drafts, 1) for a in per_pos], drafts=drafts
+            )
 
         def gap(a: Acceptance, b: Acceptance) -> dict:
             floor = acceptance_floor(a, b)
@@ -164,7 +167,7 @@ def main() -> None:
                 "passes": floor is None or b.acceptance_length >= floor,
             }
 
-        with VllmEngine() as vllm:
+        with VllmProcess() as vllm:
             plain = vllm.generate(vdir, prompts, n)
             for k in range(1, fp32.config.num_depths + 1):
                 ours32 = ours_per_prompt(fp32, k)

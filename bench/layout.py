@@ -1,6 +1,7 @@
 """Layout figures of a source tree, one JSON line each: longest files, import cycles, cross-layer imports,
-repeated blocks of six or more lines, the places that write each kind of database row, and how many times
-the event, reporter and evaluation-report types are defined.
+repeated blocks of six or more lines, the places that write each kind of database row, how many times
+the event, reporter, evaluation-report and figure types (speed-up row, acceptance, serving verdict,
+recommendation) are defined, and the names defined in more than one product module.
 
     python bench/layout.py                 # this checkout
     python bench/layout.py --root /tmp/old # another checkout, e.g. `git worktree add /tmp/old <rev>`
@@ -39,6 +40,24 @@ TYPE_KINDS = {
     # stop requests, progress counters, stored outputs. Counted apart: they hold a Reporter, not redefine it.
     "run_controls": re.compile(r"^(Callbacks|Hooks)$"),
     "evaluation_report": re.compile(r"^(EvaluationReport|EvalReport)$"),
+    # The four figure types of issue 43, under every name each has gone by (views.Speedup / SpeedupRow,
+    # report.SpeedupFigures; EvalResult, gate.Acceptance, AcceptanceFigures; ServingFigures). The
+    # recommendation's per-batch entry (`BatchChoice`) is part of the recommendation, not a type of its own
+    # kind; vLLM's `VllmRun` is a batch of generations with its counters, whose acceptance is `Acceptance`.
+    "speedup_row": re.compile(r"^(Speedup|SpeedupRow|SpeedupFigures|SpeedupResult)$"),
+    "acceptance": re.compile(r"^(Acceptance|AcceptanceFigures|EvalResult)$"),
+    "serving_verdict": re.compile(r"^(ServingCheck|ServingFigures|ServingVerdict)$"),
+    "recommendation": re.compile(r"^(ServingRecommendation|Recommendation)$"),
+}
+FIGURE_KINDS = ("speedup_row", "acceptance", "serving_verdict", "recommendation")
+# Names that many modules define on purpose, one per module by role; not one thing defined twice.
+SHARED_NAMES = {
+    "log": "each module's logger, logging.getLogger(__name__)",
+    "router": "each routes module's FastAPI APIRouter",
+    "app": "each `peagle` sub-command group's typer app",
+    "register": "each package's hook that adds its commands to the `peagle` CLI",
+    "main": "a console script's entry point",
+    "T": "a module's own TypeVar",
 }
 
 
@@ -360,6 +379,43 @@ def type_definitions(root: Path) -> dict[str, list[str]]:
     return found
 
 
+def duplicate_names(root: Path) -> dict[str, list[str]]:
+    """Public top-level names (functions, classes, module-level assignments) that more than one product
+    module defines, but for the role names of SHARED_NAMES: name -> the modules."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for path in source_files(root):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                continue
+            for name in names:
+                if not name.startswith("_") and name not in SHARED_NAMES:
+                    where[name].append(str(path.relative_to(root)))
+    return {name: sorted(set(ms)) for name, ms in sorted(where.items()) if len(set(ms)) > 1}
+
+
+def bench_edges(root: Path) -> dict[str, set[str]]:
+    """bench/'s scripts (a folder of scripts, not a package: they import each other's modules by name
+    after putting bench/ on the path) -> the bench modules each imports."""
+    bench = root / "bench"
+    scripts = {p.stem for p in bench.glob("*.py")} if bench.is_dir() else set()
+    edges: dict[str, set[str]] = {}
+    for name in sorted(scripts):
+        imported = set()
+        for node in ast.walk(ast.parse((bench / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+        edges[f"bench.{name}"] = {f"bench.{m}" for m in imported & scripts}
+    return edges
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -374,7 +430,7 @@ def main() -> None:
         parser.error(f"--root {root}: none of {', '.join(LAYERS)} is a package there")
     label = args.label or root.name
     edges = import_edges(root)
-    found_cycles = cycles(edges)
+    found_cycles = cycles(edges | bench_edges(root))
     crossing = cross_layer_imports(edges)
     blocks = repeated_blocks(root)
     writers = row_writers(root)
@@ -392,6 +448,9 @@ def main() -> None:
          writers=writers if args.verbose else None)  # fmt: skip
     types = type_definitions(root)
     emit(tree=label, measure="type_definitions", counts={k: len(v) for k, v in types.items()}, where=types)
+    duplicates = duplicate_names(root)
+    emit(tree=label, measure="duplicate_names", count=len(duplicates), shared_by_role=sorted(SHARED_NAMES),
+         names=duplicates if args.verbose else sorted(duplicates))  # fmt: skip
     if not args.no_job:
         emit(tree=label, measure="hash_passes_per_job", **hash_passes(root))
 

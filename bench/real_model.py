@@ -120,7 +120,7 @@ def compare_methods(rows: dict[str, list[dict[str, Any]]]) -> None:
     table = [
         {"method": method if r["method"] != NGRAM else "ngram", "k": r["k"], "batch": r["batch_size"],
          "speedup": r["speedup"], "acceptance_length": r["acceptance_length"]}
-        for method, measured in rows.items() for r in measured
+        for method, measured in rows.items() for r in [x.to_dict() for x in measured]
         if r["method"] != NGRAM or method == next(iter(rows))  # ngram once: it does not depend on the drafter
     ]  # fmt: skip
     table += [
@@ -213,9 +213,9 @@ def measure_acceptance(
     from peagle_core.evaluation.acceptance import evaluate
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
-    from peagle_core.serving.categories import eval_categories_figures, pool_eval, pool_runs, run_categories
+    from peagle_core.serving.categories import per_category, pool_eval, pool_runs
     from peagle_core.serving.judge import agreement_gap, engine_options
-    from peagle_core.vllm_engine import VllmEngine
+    from peagle_core.vllm_engine import VllmProcess
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
@@ -230,7 +230,7 @@ def measure_acceptance(
     opts = {**engine_options(device), "max_model_len": 2048}  # one engine for every prompt set
     v = str(verifier_dir)
     tensors = [torch.tensor(p, device=device) for p in prompts]
-    with VllmEngine() as vllm:
+    with VllmProcess() as vllm:
         plain = vllm.generate(v, prompts, args.new_tokens, **opts)
         rate = round(plain.num_output_tokens / plain.seconds, 2)
         emit(bench="real_model", stage="vllm_plain", prompts=len(prompts), dtype=opts["dtype"],
@@ -262,7 +262,11 @@ def measure_acceptance(
                 peagle_eval_seconds=round(ours_s, 1),
             )
             if k == max(ks):
-                vllm_cats, ours_cats = run_categories(runs), eval_categories_figures(ours_parts)
+                vllm_cats = {
+                    c: a.to_dict()
+                    for c, a in per_category({n: r.acceptance() for n, r in runs.items()}).items()
+                }
+                ours_cats = {c: a.to_dict() for c, a in per_category(ours_parts).items()}
                 for c in by_cat:
                     emit(bench="real_model", k=k, category=c, prompts=len(by_cat[c]),
                          vllm_acceptance_length=vllm_cats[c]["acceptance_length"],
@@ -294,7 +298,7 @@ def time_serving(
     with VllmJudge(str(verifier_dir), prompts, args.new_tokens, options=engine_options(device),
                    timing_dtype=args.serve_dtype) as judge:  # fmt: skip
         rows = judge.measure_speedup(drafter_dir, ks, batch_sizes=(1, 8), rounds=args.repeats)
-    for r in rows:
+    for r in (row.to_dict() for row in rows):
         emit(bench="real_model", stage="speedup", dtype=r["dtype"], method=r["method"], k=r["k"],
              batch=r["batch_size"], prompts=r["prompts"], repeats=r["rounds"],
              plain_tokens_per_s=r["baseline_output_tokens_per_s"], drafter_tokens_per_s=r["output_tokens_per_s"],

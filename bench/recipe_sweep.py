@@ -53,10 +53,11 @@ def main() -> None:
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
-    from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, k_key
+    from peagle_core.figures import Acceptance, k_key
     from peagle_core.pipeline.stages import LocalStore, Pipeline
     from peagle_core.recipes.material import verifier_dir
     from peagle_core.recipes.preset import load_recipe
+    from peagle_core.serving.report import EvaluationReport
     from peagle_core.spec import parse_spec
 
     verifier = verifier_dir(load_recipe(args.recipe))
@@ -78,7 +79,7 @@ def main() -> None:
         result = Pipeline.of(spec, args.work / f"run-{name}", store=store).run(resume=False)
         m = result.metrics
         report = result.evaluation or EvaluationReport()
-        at_k = report.ours(depths) or AcceptanceFigures()
+        at_k = report.ours(depths) or Acceptance()
         emit(
             bench="recipe_sweep",
             variant=name,

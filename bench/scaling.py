@@ -95,11 +95,12 @@ def read_points(path: Path) -> list[dict[str, Any]]:
 
 def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
     """One budget's drafter trained through the job's pipeline and scored by vLLM; its JSON point."""
-    from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport
     from peagle_core.events import CallbackReporter
+    from peagle_core.figures import Acceptance
     from peagle_core.pipeline.stages import Callbacks, LocalStore, Pipeline
     from peagle_core.recipes.material import verifier_dir
     from peagle_core.recipes.preset import load_recipe
+    from peagle_core.serving.report import EvaluationReport
     from peagle_core.spec import parse_spec
 
     recipe = load_recipe(args.recipe)
@@ -134,7 +135,7 @@ def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
     report = result.evaluation or EvaluationReport()
     by_k = {k: (r.vllm.acceptance_length if r.vllm else None) for k, r in report.results.items()}
     at_k = report.at(depths)
-    vllm = (at_k.vllm if at_k is not None else None) or AcceptanceFigures()
+    vllm = (at_k.vllm if at_k is not None else None) or Acceptance()
     point = {
         "budget": budget,
         "recipe": recipe.label,

@@ -73,7 +73,7 @@ def main() -> None:
     from peagle_core.model.drafter import PEagleDraftModel
     from peagle_core.serving.judge import agreement_gap, engine_options
     from peagle_core.toy import build_corpus, build_toy_verifier, write_toy_dataset
-    from peagle_core.vllm_engine import VllmEngine
+    from peagle_core.vllm_engine import VllmProcess
 
     cache = Path(os.environ.get("PEAGLE_CACHE_DIR", Path.home() / ".cache" / "peagle")) / "toy"
     verifier_dir = build_toy_verifier(args.size, seed=0, cache_dir=cache)
@@ -97,7 +97,7 @@ def main() -> None:
         drafter = PEagleDraftModel.from_pretrained(drafter_dir).to(device)
         depths = drafter.config.num_depths
         opts = engine_options(device)
-        with VllmEngine() as vllm:
+        with VllmProcess() as vllm:
             vllm.generate(str(verifier_dir), prompts[:1], 4, **opts)  # warm-up: engine build, first batch
             plain = best_of(
                 args.repeats, lambda: vllm.generate(str(verifier_dir), prompts, args.new_tokens, **opts)

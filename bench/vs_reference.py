@@ -235,8 +235,8 @@ class Measure:
 
     def __call__(self, name: str, export_dir: Path, **extra: Any) -> dict[str, Any]:
         from peagle_core.evaluation.acceptance import evaluate
+        from peagle_core.figures import Acceptance
         from peagle_core.model.drafter import PEagleDraftModel
-        from peagle_core.serving.gate import Acceptance
 
         row: dict[str, Any] = {"drafter": name, **extra}
         mine = None
@@ -249,7 +249,7 @@ class Measure:
             row["ours_rate_per_position"] = mine.get("acceptance_rate_per_position")
             self._ours_done = True
         if not self.args.dry_run:
-            row.update(self._in_vllm(export_dir, Acceptance.of(mine) if mine else None))
+            row.update(self._in_vllm(export_dir, Acceptance.from_dict(mine) if mine else None))
         emit(bench="vs_reference", **row)
         return row
 
@@ -277,7 +277,7 @@ class Measure:
         if self.args.timing_prompts:
             rows = self._timing.measure_speedup(export_dir, [K], batch_sizes=(1,), rounds=self.args.rounds)
             for r in rows:
-                out[f"{r['method']}_speedup"] = r.get("speedup")
+                out[f"{r.method}_speedup"] = r.speedup
         return out
 
 

@@ -209,9 +209,9 @@ def _toy_inputs(size: str, work: Path) -> tuple[Path, Path]:
 def _report(
     out: Path, verifier_path: Path, ckpt: dict[str, Any], job: dict[str, Any], elapsed: float
 ) -> None:
-    from peagle_core.evaluation.report import EvaluationReport, ServingFigures
     from peagle_core.serving.export import serve_command, validate_checkpoint
-    from peagle_core.serving.recommendation import ServingRecommendation
+    from peagle_core.serving.gate import ServingCheck
+    from peagle_core.serving.report import EvaluationReport
 
     with open(verifier_path / "config.json") as f:
         verifier_config = json.load(f)
@@ -222,13 +222,13 @@ def _report(
     k = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     metrics = ckpt.get("metrics") or {}
     typer.echo(f"job {job['id']} succeeded in {elapsed / 60:.1f} min; checkpoint valid: {out}")
-    serving = EvaluationReport.from_dict(metrics.get("eval")).serving or ServingFigures()
+    serving = EvaluationReport.from_dict(metrics.get("eval")).serving or ServingCheck()
     ours = metrics.get(f"eval/acceptance_length@{k}")
-    theirs = serving.figures.acceptance_length or metrics.get(f"eval/vllm_acceptance_length@{k}")
+    theirs = serving.acceptance_length or metrics.get(f"eval/vllm_acceptance_length@{k}")
     line = f"acceptance length at K={k}: "
     line += f"{ours:.3f} (peagle eval)" if ours is not None else "not measured here"
     if theirs is not None:
-        line += f", {theirs:.3f} ({serving.figures.engine or 'vLLM'}, its spec-decode counters)"
+        line += f", {theirs:.3f} ({serving.served_by or 'vLLM'}, its spec-decode counters)"
     typer.echo(line)
     if ckpt.get("servable") == "verified":
         typer.echo(
@@ -236,7 +236,7 @@ def _report(
         )
     else:
         typer.echo(f"servable: unverified ({serving.reason or 'no vLLM where the job ran'})")
-    if (recommendation := ServingRecommendation.parse(serving.recommendation)) is not None:
+    if (recommendation := serving.recommendation) is not None:
         typer.echo(f"measured in vLLM: {recommendation.sentence()}")
         k = recommendation.serve_k(k)
     typer.echo("serve it with vLLM (0.28+):")
@@ -248,7 +248,7 @@ def _report(
 def _report_speedup(ckpt: dict[str, Any]) -> None:
     """vLLM's speed-ups as the job measured them (`evaluation.measure_speedup`): the drafter's and
     vLLM's `ngram` at each K and batch size, each against plain decoding on the same prompts."""
-    from peagle_core.evaluation.report import EvaluationReport
+    from peagle_core.serving.report import EvaluationReport
 
     serving = EvaluationReport.from_dict((ckpt.get("metrics") or {}).get("eval")).serving
     rows = []

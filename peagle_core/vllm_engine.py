@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from peagle_core.errors import PeagleError
+from peagle_core.figures import Acceptance
 from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
 
 _COUNTERS = {
@@ -79,6 +80,16 @@ class VllmRun:
     def acceptance_rate_per_position(self) -> list[float]:
         return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
 
+    def acceptance(self) -> Acceptance:
+        """vLLM's acceptance over this run's drafts, as every evaluator reports it."""
+        return Acceptance(
+            acceptance_length=self.acceptance_length,
+            acceptance_rate_per_position=self.acceptance_rate_per_position,
+            drafts=self.num_drafts,
+            num_prompts=len(self.tokens),
+            num_generated_tokens=self.num_output_tokens,
+        )
+
     def summary(self) -> dict[str, Any]:
         """The counters and derived figures, without the generated tokens."""
         out = {k: v for k, v in asdict(self).items() if k not in ("tokens", "finish_reasons")}
@@ -106,10 +117,10 @@ class EngineConfig:
     trust_remote_code: bool = False
 
 
-class VllmEngine:
+class VllmProcess:
     """Parent-side handle on the vLLM child process; use as a context manager.
 
-    >>> with VllmEngine() as vllm:
+    >>> with VllmProcess() as vllm:
     ...     plain = vllm.generate("/models/v", prompts, max_new_tokens=64)
     ...     spec = vllm.generate("/models/v", prompts, max_new_tokens=64, drafter="/ckpt", k=4)
     """
@@ -118,13 +129,13 @@ class VllmEngine:
         self.request_timeout_s = request_timeout_s
         self._child: VllmChild | None = None
 
-    def __enter__(self) -> VllmEngine:
+    def __enter__(self) -> VllmProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> VllmEngine:
+    def start(self) -> VllmProcess:
         if self._child is not None:
             return self
         if not vllm_available():

@@ -108,3 +108,51 @@ def test_row_write_scan_sees_a_write(tmp_path: Path) -> None:
         "line 1: imports sqlalchemy's update",
         "line 3: builds a JobEvent row",
     ]
+
+
+def test_each_figure_type_is_defined_once() -> None:
+    # Issue 43 item 1: the speed-up row, acceptance, serving verdict and recommendation, each defined once
+    # in peagle_core and read as-is by the page, the CLI and the report (bench/layout.py's measure).
+    where = layout.type_definitions(ROOT)
+    assert {kind: len(where[kind]) for kind in layout.FIGURE_KINDS} == dict.fromkeys(
+        layout.FIGURE_KINDS, 1
+    ), where
+    assert all(w.startswith("peagle_core/") for kind in layout.FIGURE_KINDS for w in where[kind]), where
+
+
+# Names still defined in more than one product module (issue 43 item 2 is not finished: route handlers and
+# the crud functions they call share names, and the API models share the ORM models'). The list may only
+# shrink: a new name defined twice fails here.
+STILL_DEFINED_TWICE = {
+    "BUILD_VERSION", "Checkpoint", "DTYPES", "Dataset", "FORMAT_VERSION", "Job", "JobEvent", "MANIFEST",
+    "MAX_CATEGORY_CHARS", "Method", "Plan", "Scope", "Store", "TERMINAL_STATUSES", "build_app", "cancel_job",
+    "create_job", "create_plan", "current_project", "datasets_list", "delete_checkpoint", "delete_dataset",
+    "delete_job", "describe", "duration", "eval_prompts", "finish", "get_dataset", "get_job", "get_plan",
+    "get_settings", "install", "list_datasets", "list_jobs", "metrics", "purge_expired", "render",
+    "upload_dataset", "validate", "vllm_dtype",
+}  # fmt: skip
+
+
+def test_no_new_name_is_defined_in_two_product_modules() -> None:
+    duplicates = layout.duplicate_names(ROOT)
+    assert set(duplicates) <= STILL_DEFINED_TWICE, {
+        n: duplicates[n] for n in set(duplicates) - STILL_DEFINED_TWICE
+    }
+    assert len(duplicates) <= 40
+
+
+def test_duplicate_name_scan_sees_a_name_defined_twice(tmp_path: Path) -> None:
+    for pkg, body in (
+        ("peagle_core", "class Speedup:\n    pass\nlog = 1\n"),
+        ("service", "def Speedup(): ...\nlog = 2\n"),
+    ):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "figures.py").write_text(body)
+    assert layout.duplicate_names(tmp_path) == {"Speedup": ["peagle_core/figures.py", "service/figures.py"]}
+    assert layout.type_definitions(tmp_path)["speedup_row"] == ["peagle_core/figures.py:Speedup"]
+
+
+def test_no_import_cycles_in_product_and_bench() -> None:
+    edges = layout.import_edges(ROOT) | layout.bench_edges(ROOT)
+    assert any(m.startswith("bench.") for m in edges) and edges["bench.layout"] == {"bench._common"}
+    assert layout.cycles(edges) == []

@@ -90,7 +90,7 @@ def eval_command(
 
     from peagle_core.data import PreparedDataset, prepare_dataset
     from peagle_core.evaluation.acceptance import evaluate, held_out_prompts
-    from peagle_core.evaluation.report import AcceptanceFigures, KResult
+    from peagle_core.figures import KResult
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
     from peagle_core.serving.judge import VllmJudge, agreement_gap, engine_options
@@ -114,17 +114,16 @@ def eval_command(
     rows = {kk: KResult(kk) for kk in k}
     if engine in ("peagle", "both"):
         for kk in k:
-            r = evaluate(model, v, items, kk, max_new_tokens, v.tokenizer.eos_token_id)
-            rows[kk].ours = AcceptanceFigures.from_dict({f: x for f, x in r.to_dict().items() if f != "k"})
+            rows[kk].ours = evaluate(model, v, items, kk, max_new_tokens, v.tokenizer.eos_token_id)
     gaps: dict[int, float] = {}
     if engine in ("vllm", "both"):
         prompts_ids = [p.tolist() for p in items]
         with VllmJudge(verifier, prompts_ids, max_new_tokens, options=engine_options(v.device)) as judge:
             for kk, fig in judge.evaluate_dir(drafter, k).items():
-                rows[kk].vllm = AcceptanceFigures.from_dict(fig)
+                rows[kk].vllm = fig
                 ours = rows[kk].ours
                 if ours is not None and ours.acceptance_length is not None:
-                    gaps[kk] = agreement_gap(ours.acceptance_length, fig["acceptance_length"])
+                    gaps[kk] = agreement_gap(ours.acceptance_length, fig.acceptance_length or 0.0)
     for kk, row in rows.items():
         typer.echo(json.dumps(row.to_dict() | ({"gap": gaps[kk]} if kk in gaps else {})))
 

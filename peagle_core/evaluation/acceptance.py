@@ -11,33 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peagle_core.figures import Acceptance
+
 if TYPE_CHECKING:
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
-
-
-@dataclass
-class EvalResult:
-    """Acceptance length = mean tokens emitted per speculative verifier pass (accepted drafts + bonus)."""
-
-    k: int
-    acceptance_length: float
-    acceptance_rate_per_position: list[float]
-    verifier_passes: int  # speculative passes, excluding each prompt's prefill
-    num_prompts: int
-    num_generated_tokens: int
-    tokens: list[list[int]] = field(default_factory=list, repr=False)
-
-    def to_dict(self, with_tokens: bool = False) -> dict[str, Any]:
-        out = asdict(self)
-        if not with_tokens:
-            out.pop("tokens")
-        return out
 
 
 def prompt_of(input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor | None:
@@ -133,8 +115,9 @@ def evaluate(
     batch_size: int = 16,
     drafter_cache: bool = True,
     reference: bool = False,
-) -> EvalResult:
-    """Speculatively decode every prompt with K drafted tokens per step and summarise acceptance.
+) -> Acceptance:
+    """Speculatively decode every prompt with K drafted tokens per step and summarise acceptance (mean
+    tokens emitted per speculative verifier pass, accepted drafts + bonus), with the tokens generated.
 
     Batched and KV-cached (`peagle_core.evaluation.speculate`; `drafter_cache` False recomputes the
     drafter over each whole sequence). `reference` decodes one prompt at a time recomputing everything
@@ -167,18 +150,17 @@ def _eval_mode(drafter: PEagleDraftModel) -> Iterator[None]:
         drafter.train(was_training)
 
 
-def _summarise(k: int, decoded: Sequence[tuple[list[int], list[int]]]) -> EvalResult:
+def _summarise(k: int, decoded: Sequence[tuple[list[int], list[int]]]) -> Acceptance:
     """Acceptance over every step of every prompt, steps taken in prompt order."""
     outputs = [tokens for tokens, _ in decoded]
     steps = [a for _, accepted in decoded for a in accepted]
     n = len(steps)
     counts = torch.tensor(steps, dtype=torch.float64)
     rates = [float((counts > j).double().mean()) if n else 0.0 for j in range(k)]
-    return EvalResult(
-        k=k,
+    return Acceptance(
         acceptance_length=float((counts + 1).mean()) if n else 0.0,
         acceptance_rate_per_position=rates,
-        verifier_passes=n,
+        verifier_passes=n,  # speculative passes, excluding each prompt's prefill
         num_prompts=len(decoded),
         num_generated_tokens=sum(len(t) for t in outputs),
         tokens=outputs,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from peagle_core.errors import VerifierError
 
 if TYPE_CHECKING:
-    from peagle_core.vllm_engine import VllmEngine
+    from peagle_core.vllm_engine import VllmProcess
 
 Engine = Literal["transformers", "vllm"]
 
@@ -96,7 +96,7 @@ class TransformersGenerator:
 class VllmGenerator:
     """vLLM's offline batched generation in its child process (`peagle_core.vllm_engine`)."""
 
-    def __init__(self, engine: VllmEngine, verifier: str, stops: list[int], *, temperature: float,
+    def __init__(self, engine: VllmProcess, verifier: str, stops: list[int], *, temperature: float,
                  seed: int, seq_len: int, trust_remote_code: bool = False, dtype: str = "float32"):  # fmt: skip
         self.engine, self.verifier, self.stops = engine, verifier, stops
         self.temperature, self.seed, self.seq_len = temperature, seed, seq_len
@@ -131,7 +131,7 @@ def open_generator(
     batch_size: int,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    vllm_engine: VllmEngine | None = None,
+    vllm_engine: VllmProcess | None = None,
     dtype: str = "auto",
 ) -> tuple[Any, Generator, Callable[[], None]]:
     """(tokenizer, generator, close) for `engine`; a vLLM engine is started unless `vllm_engine` is given
@@ -142,7 +142,7 @@ def open_generator(
         from transformers import AutoTokenizer, GenerationConfig
 
         from peagle_core.model.precision import vllm_dtype
-        from peagle_core.vllm_engine import VllmEngine
+        from peagle_core.vllm_engine import VllmProcess
 
         cuda = torch.cuda.is_available()  # where vLLM's child runs the verifier
         try:
@@ -154,7 +154,7 @@ def open_generator(
             raise VerifierError(
                 f"cannot load verifier {verifier!r}: {exc}", param="verifier.name_or_path"
             ) from exc
-        running = vllm_engine or VllmEngine().start()
+        running = vllm_engine or VllmProcess().start()
         close = (lambda: None) if vllm_engine is not None else running.close
         stops = stop_token_ids(tokenizer, gen_config)
         gen = VllmGenerator(

@@ -31,7 +31,7 @@ from peagle_core.regeneration.generators import Engine, Generator, open_generato
 
 if TYPE_CHECKING:
     from peagle_core.spec import JobSpec
-    from peagle_core.vllm_engine import VllmEngine
+    from peagle_core.vllm_engine import VllmProcess
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ def rewrite_dataset(
     revision: str | None = None,
     trust_remote_code: bool = False,
     batch_size: int = 16,
-    vllm_engine: VllmEngine | None = None,
+    vllm_engine: VllmProcess | None = None,
     on_progress: Callable[[RegenReport], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     verifier_fp: str | None = None,

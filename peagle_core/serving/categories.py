@@ -4,10 +4,11 @@ figures pooled back into the whole set's (weighted by drafts, so the pooled figu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from peagle_core.figures import Acceptance
 
 if TYPE_CHECKING:
-    from peagle_core.evaluation.acceptance import EvalResult
     from peagle_core.vllm_engine import VllmRun
 
 UNCATEGORISED = "uncategorised"  # prompts without a category, beside others that have one
@@ -23,45 +24,40 @@ def category_groups(categories: Sequence[str | None] | None) -> dict[str, list[i
     return groups
 
 
-def figures(acceptance_length: float, rates: list[float], drafts: int, prompts: int) -> dict[str, Any]:
-    """One category's entry, alike for our evaluator and vLLM."""
-    return {
-        "acceptance_length": acceptance_length,
-        "acceptance_rate_per_position": rates,
-        "drafts": drafts,
-        "num_prompts": prompts,
-    }
+def category_acceptance(acceptance: Acceptance) -> Acceptance:
+    """One category's entry, alike for our evaluator and vLLM: length, rates, drafts and prompts."""
+    return Acceptance(
+        acceptance_length=acceptance.acceptance_length,
+        acceptance_rate_per_position=acceptance.rates,
+        drafts=acceptance.draft_count,
+        num_prompts=acceptance.num_prompts,
+    )
 
 
-def pool_eval(parts: Mapping[str, EvalResult], groups: Mapping[str, list[int]]) -> EvalResult:
+def pool_eval(parts: Mapping[str, Acceptance], groups: Mapping[str, list[int]]) -> Acceptance:
     """Our evaluator's results per category as one result over all prompts (tokens in prompt order)."""
-    from peagle_core.evaluation.acceptance import EvalResult
-
     results = list(parts.values())
-    passes = sum(r.verifier_passes for r in results)
-    k = results[0].k
+    passes = sum(r.draft_count for r in results)
+    k = max(len(r.rates) for r in results)
     tokens: list[list[int]] = [[] for _ in range(sum(len(ix) for ix in groups.values()))]
     for name, r in parts.items():
         for i, t in zip(groups[name], r.tokens, strict=True):
             tokens[i] = t
-    return EvalResult(
-        k=k,
-        acceptance_length=_weighted([r.acceptance_length for r in results], results, passes),
+    return Acceptance(
+        acceptance_length=_weighted([r.acceptance_length or 0.0 for r in results], results, passes),
         acceptance_rate_per_position=[
-            _weighted([r.acceptance_rate_per_position[j] for r in results], results, passes) for j in range(k)
+            _weighted([r.rates[j] for r in results], results, passes) for j in range(k)
         ],
         verifier_passes=passes,
-        num_prompts=sum(r.num_prompts for r in results),
-        num_generated_tokens=sum(r.num_generated_tokens for r in results),
+        num_prompts=sum(r.num_prompts or 0 for r in results),
+        num_generated_tokens=sum(r.num_generated_tokens or 0 for r in results),
         tokens=tokens,
     )
 
 
-def eval_categories_figures(parts: Mapping[str, EvalResult]) -> dict[str, dict[str, Any]]:
-    return {
-        name: figures(r.acceptance_length, r.acceptance_rate_per_position, r.verifier_passes, r.num_prompts)
-        for name, r in parts.items()
-    }
+def per_category(parts: Mapping[str, Acceptance]) -> dict[str, Acceptance]:
+    """Each category's entry from its evaluation or vLLM run's acceptance."""
+    return {name: category_acceptance(a) for name, a in parts.items()}
 
 
 def pool_runs(parts: Mapping[str, VllmRun], groups: Mapping[str, list[int]]) -> VllmRun:
@@ -92,14 +88,7 @@ def pool_runs(parts: Mapping[str, VllmRun], groups: Mapping[str, list[int]]) -> 
     )
 
 
-def run_categories(parts: Mapping[str, VllmRun]) -> dict[str, dict[str, Any]]:
-    return {
-        name: figures(r.acceptance_length, r.acceptance_rate_per_position, r.num_drafts, len(r.tokens))
-        for name, r in parts.items()
-    }
-
-
-def _weighted(values: list[float], results: list[EvalResult], passes: int) -> float:
+def _weighted(values: list[float], results: list[Acceptance], passes: int) -> float:
     if passes == 0:
         return 0.0
-    return sum(v * r.verifier_passes for v, r in zip(values, results, strict=True)) / passes
+    return sum(v * r.draft_count for v, r in zip(values, results, strict=True)) / passes

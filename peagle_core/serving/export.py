@@ -17,7 +17,6 @@ from peagle_core.errors import CheckpointError
 from peagle_core.model.speculators import CARD_NAME, write_checkpoint
 from peagle_core.serving.command import serve_command, speculative_config
 from peagle_core.serving.gate import ServingCheck
-from peagle_core.serving.recommendation import ServingRecommendation
 from peagle_core.serving.validate import validate_checkpoint
 
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ def model_card(
 ) -> str:
     """A README that says what this drafter was trained against, whether vLLM served it, and how (at the
     recommended K when vLLM's speed-up was measured, else at `k`)."""
-    recommendation = ServingRecommendation.of(serving.to_dict()) if serving is not None else None
+    recommendation = serving.recommendation if serving is not None else None
     method = model_config.method
     if method == "eagle3":
         title, what = "EAGLE-3", "An EAGLE-3 (autoregressive drafting, trained with training-time test)"
@@ -90,10 +89,10 @@ def _serving_section(check: ServingCheck | None) -> list[str]:
     if check is None or check.status != "verified":
         reason = check.reason if check else "no serving check was run"
         return [*lines, f"- servable: **unverified** ({reason})"]
-    rates = ", ".join(f"{r:.2f}" for r in check.acceptance_rate_per_position)
+    rates = ", ".join(f"{r:.2f}" for r in check.acceptance_rate_per_position or [])
     return [
         *lines,
-        f"- servable: **verified** by {check.engine}: it loaded this checkpoint and its greedy output with "
+        f"- servable: **verified** by {check.served_by}: it loaded this checkpoint and its greedy output with "
         f"the drafter (K={check.k}) equalled its output without it on {check.prompts} prompts",
         f"- vLLM acceptance length at K={check.k}: {check.acceptance_length:.3f} (per position: {rates})",
         *(
@@ -106,15 +105,15 @@ def _serving_section(check: ServingCheck | None) -> list[str]:
         ),
         *(
             [
-                f"- vLLM at batch 1: {s['output_tokens_per_s']:.1f} tokens/s with the drafter, "
-                f"{s['baseline_output_tokens_per_s']:.1f} without ({s['speedup']:.2f}x)"
+                f"- vLLM at batch 1: {s.output_tokens_per_s:.1f} tokens/s with the drafter, "
+                f"{s.baseline_output_tokens_per_s:.1f} without ({s.speedup:.2f}x)"
             ]
-            if (s := check.speedup) and s.get("speedup") is not None
+            if (s := check.speedup) is not None and s.speedup is not None
             else []
         ),
         *(
             [f"- measured in vLLM: {recommendation.sentence()}"]
-            if (recommendation := ServingRecommendation.of(check.to_dict()))
+            if (recommendation := check.recommendation) is not None
             else []
         ),
     ]

@@ -12,18 +12,30 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from peagle_core.errors import PeagleError
+from peagle_core.figures import (
+    Acceptance,
+    is_int,
+    is_number,
+    is_object,
+    is_rates,
+    is_str,
+    split_typed,
+    stored_dict,
+    stored_order,
+)
 from peagle_core.io import atomic_write_bytes
-from peagle_core.serving.categories import pool_runs, run_categories
+from peagle_core.serving.categories import per_category, pool_runs
+from peagle_core.serving.recommendation import ServingRecommendation
+from peagle_core.serving.speedup import Speedup
 
 if TYPE_CHECKING:
-    from peagle_core.evaluation.report import AcceptanceFigures
-    from peagle_core.vllm_engine import VllmEngine
+    from peagle_core.vllm_engine import VllmProcess
 
 SERVING_FILE = "serving.json"
 ServableStatus = Literal["verified", "unverified"]
@@ -40,13 +52,32 @@ class NotServableError(PeagleError):
     code = "export_not_servable"
 
 
-@dataclass
-class ServingCheck:
-    """What the gate found; `status` is what the API and the model card show."""
+def _is_figures(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(x, dict) for x in v.values())
 
-    status: ServableStatus
+
+def _is_rows(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(r, dict) for r in v)
+
+
+def _is_recommendation(v: Any) -> bool:
+    return isinstance(v, dict) and isinstance(v.get("batches"), list)
+
+
+def _nullable(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+@dataclass(frozen=True)
+class ServingCheck:
+    """The publish gate's verdict, the one serving-verdict type: `serving.json` beside the weights, the
+    report's `serving`, the page's and the CLI's. `status` is what the API and the model card show. A new
+    verdict writes every field; one read from a stored object writes back the keys it held, in their order,
+    and keeps keys it does not know (or of an odd type) in `extra`, so a stored verdict reads back unchanged."""
+
+    status: ServableStatus | None = None
     reason: str | None = None  # why unverified
-    engine: str | None = None  # "vllm 0.32.0"
+    served_by: str | None = None  # the vLLM that served it, "vllm 0.32.0" (stored as "engine")
     k: int | None = None
     prompts: int = 0
     output_tokens: int = 0
@@ -58,15 +89,79 @@ class ServingCheck:
     ours_acceptance_length: float | None = None
     acceptance_floor: float | None = None
     # vLLM's output tokens/s at batch 1 with and without the drafter at `k` (`evaluation.measure_speedup`).
-    speedup: dict[str, Any] | None = None
-    # Every speed-up measured: the drafter and vLLM's ngram at each evaluated K and batch size
-    # (`serving.speedup.paired_speedups` rows), and the `ServingRecommendation.to_dict()` drawn from them.
-    speedups: list[dict[str, Any]] = field(default_factory=list)
-    recommendation: dict[str, Any] | None = None
-    categories: dict[str, dict[str, Any]] = field(default_factory=dict)  # vLLM's figures per category
+    speedup: Speedup | None = None
+    # Every speed-up measured: the drafter and vLLM's ngram at each evaluated K and batch size, and the
+    # recommendation drawn from them.
+    speedups: list[Speedup] = field(default_factory=list)
+    recommendation: ServingRecommendation | None = None
+    categories: dict[str, Acceptance] = field(default_factory=dict)  # vLLM's figures per category
+    extra: dict[str, Any] = field(default_factory=dict)
+    order: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    _CHECKS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "status": _nullable(is_str),
+        "reason": _nullable(is_str),
+        "engine": _nullable(is_str),
+        "k": _nullable(is_int),
+        "prompts": is_int,
+        "output_tokens": is_int,
+        "acceptance_length": _nullable(is_number),
+        "acceptance_rate_per_position": is_rates,
+        "drafts": is_int,
+        "ours_acceptance_length": _nullable(is_number),
+        "acceptance_floor": _nullable(is_number),
+        "speedup": _nullable(is_object),
+        "speedups": _is_rows,
+        "recommendation": _nullable(_is_recommendation),
+        "categories": _is_figures,
+    }
+    _ATTRS: ClassVar[dict[str, str]] = {"engine": "served_by"}  # stored key -> attribute, where they differ
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ServingCheck:
+        typed, extra = split_typed(d, cls._CHECKS)
+        if typed.get("speedup") is not None:
+            typed["speedup"] = Speedup.from_dict(typed["speedup"])
+        if "speedups" in typed:
+            typed["speedups"] = [Speedup.from_dict(r) for r in typed["speedups"]]
+        if typed.get("recommendation") is not None:
+            typed["recommendation"] = ServingRecommendation.from_dict(typed["recommendation"])
+        if "categories" in typed:
+            typed["categories"] = {str(c): Acceptance.from_dict(f) for c, f in typed["categories"].items()}
+        attrs = {cls._ATTRS.get(k, k): v for k, v in typed.items()}
+        return cls(**attrs, extra=extra, **stored_order(d))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        values = {key: getattr(self, self._ATTRS.get(key, key)) for key in self._CHECKS}
+        if self.order:  # read from a stored object: the keys it held, and fields set since
+            blank = type(self)()
+            values = {
+                k: v
+                for k, v in values.items()
+                if k in self.order or v != getattr(blank, self._ATTRS.get(k, k))
+            }
+        if values.get("speedup") is not None:
+            values["speedup"] = self.speedup.to_dict()
+        if "speedups" in values:
+            values["speedups"] = [r.to_dict() for r in self.speedups]
+        if values.get("recommendation") is not None:
+            values["recommendation"] = self.recommendation.to_dict()
+        if "categories" in values:
+            values["categories"] = {c: f.to_dict() for c, f in self.categories.items()}
+        return stored_dict(values, self.extra, self.order, tuple(values))
+
+    @property
+    def acceptance(self) -> Acceptance:
+        """vLLM's acceptance in the check, as every evaluator reports it."""
+        return Acceptance(
+            acceptance_length=self.acceptance_length,
+            acceptance_rate_per_position=self.acceptance_rate_per_position,
+            drafts=self.drafts,
+            num_prompts=self.prompts,
+            num_generated_tokens=self.output_tokens,
+            categories=dict(self.categories) or None,
+            served_by=self.served_by,
+        )
 
     def save(self, checkpoint_dir: str | Path) -> Path:
         path = Path(checkpoint_dir) / SERVING_FILE
@@ -79,54 +174,20 @@ class ServingCheck:
         path = Path(checkpoint_dir) / SERVING_FILE
         if not path.is_file():
             return None
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in json.loads(path.read_text()).items() if k in known})
+        return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
     def unverified(cls, reason: str) -> ServingCheck:
         return cls(status="unverified", reason=reason)
 
 
-@dataclass(frozen=True)
-class Acceptance:
-    """One evaluation's acceptance at one K: the mean length, the share of drafts whose first j+1 tokens
-    were all accepted (position j), and how many drafts (verifier passes) they average over."""
-
-    acceptance_length: float
-    rate_per_position: list[float]
-    drafts: int
-
-    @classmethod
-    def of(cls, result: dict[str, Any]) -> Acceptance:
-        """From our evaluator's result (`EvalResult.to_dict()`)."""
-        return cls(
-            float(result["acceptance_length"]),
-            [float(r) for r in result.get("acceptance_rate_per_position") or []],
-            int(result.get("verifier_passes") or 0),
-        )
-
-    @classmethod
-    def of_figures(cls, figures: AcceptanceFigures) -> Acceptance | None:
-        """From our evaluator's figures in an `EvaluationReport` (None when it measured no length)."""
-        if figures.acceptance_length is None:
-            return None
-        return cls(
-            float(figures.acceptance_length), [float(r) for r in figures.rates], figures.verifier_passes or 0
-        )
-
-    def variance(self) -> float:
-        """Variance of accepted tokens per draft, c = sum_j [c > j], so c^2 = sum_j (2j+1) [c > j]."""
-        mean = sum(self.rate_per_position)
-        return max(0.0, sum((2 * j + 1) * r for j, r in enumerate(self.rate_per_position)) - mean**2)
-
-
 def acceptance_floor(ours: Acceptance, theirs: Acceptance) -> float | None:
     """The lowest acceptance length vLLM may show on the prompts where ours is `ours`: the relative gap
     covers numerics (bf16 export, kernels, batching), the standard error covers drafts that differ once
     the two greedy chains part; None when ours was measured on no drafts."""
-    if ours.drafts <= 0 or theirs.drafts <= 0:
+    if ours.draft_count <= 0 or theirs.draft_count <= 0 or ours.acceptance_length is None:
         return None
-    se = math.sqrt(ours.variance() / ours.drafts + theirs.variance() / theirs.drafts)
+    se = math.sqrt(ours.variance() / ours.draft_count + theirs.variance() / theirs.draft_count)
     return 1.0 + (1.0 - FLOOR_RELATIVE_GAP) * (ours.acceptance_length - 1.0) - FLOOR_Z * se
 
 
@@ -143,7 +204,7 @@ def vllm_version() -> str | None:
 
 
 def check_in_vllm(
-    engine: VllmEngine,
+    engine: VllmProcess,
     *,
     verifier: str,
     checkpoint_dir: str | Path,
@@ -204,11 +265,11 @@ def check_in_vllm(
                 f"vLLM's greedy output with the drafter differs from its output without it "
                 f"(prompt {i}, token {at} of {len(want)}): the checkpoint does not match what vLLM expects"
             )
-    theirs = Acceptance(run.acceptance_length, run.acceptance_rate_per_position, run.num_drafts)
+    theirs = run.acceptance()
     floor = acceptance_floor(ours, theirs) if ours is not None else None
-    if floor is not None and ours is not None and theirs.acceptance_length < floor:
+    if floor is not None and ours is not None and run.acceptance_length < floor:
         raise NotServableError(
-            f"vLLM's acceptance length at K={k} is {theirs.acceptance_length:.3f}, against "
+            f"vLLM's acceptance length at K={k} is {run.acceptance_length:.3f}, against "
             f"{ours.acceptance_length:.3f} in our evaluation on the same {len(prompts)} prompts (below the "
             f"floor of {floor:.3f}): its output is unchanged, so vLLM loads the drafter but reads it "
             "differently from us; check the draft vocabulary map (d2t) and "
@@ -216,7 +277,7 @@ def check_in_vllm(
         )
     return ServingCheck(
         status="verified",
-        engine=f"vllm {vllm_version() or 'unknown'}",
+        served_by=f"vllm {vllm_version() or 'unknown'}",
         k=k,
         prompts=len(prompts),
         output_tokens=run.num_output_tokens,
@@ -225,5 +286,5 @@ def check_in_vllm(
         drafts=run.num_drafts,
         ours_acceptance_length=ours.acceptance_length if ours is not None else None,
         acceptance_floor=floor,
-        categories=run_categories(parts),
+        categories=per_category({name: part.acceptance() for name, part in parts.items()}),
     )

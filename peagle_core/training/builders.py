@@ -28,7 +28,7 @@ from peagle_core.model.config import PEagleConfig
 from peagle_core.model.drafter import PEagleDraftModel
 from peagle_core.model.objective import Teacher
 from peagle_core.model.precision import vllm_dtype
-from peagle_core.serving.judge import Engines, VllmJudge, engine_options, resolve_engines
+from peagle_core.serving.judge import Evaluators, VllmJudge, engine_options, resolve_evaluators
 from peagle_core.spec import JobSpec
 from peagle_core.training import distributed as dist_utils
 from peagle_core.training.init_from import init_layer_ids, load_init_checkpoint
@@ -223,16 +223,16 @@ def build_judge(
     *,
     is_main: bool,
     categories: list[str | None] | None = None,
-) -> tuple[Engines, VllmJudge | None]:
-    """Which engines evaluate and gate this run, and the vLLM judge when one is needed (main rank only; it
+) -> tuple[Evaluators, VllmJudge | None]:
+    """Which evaluators evaluate and gate this run, and the vLLM judge when one is needed (main rank only; it
     starts its engine on first use). Without evaluation prompts there is nothing for vLLM to check with."""
-    engines = resolve_engines(spec)
+    evaluators = resolve_evaluators(spec)
     if not prompts:
-        engines = Engines(
-            ours=engines.ours, vllm=False, gate_off_reason="no evaluation prompts to check with"
+        evaluators = Evaluators(
+            ours=evaluators.ours, vllm=False, gate_off_reason="no evaluation prompts to check with"
         )
-    if not (engines.needs_vllm and is_main):
-        return engines, None
+    if not (evaluators.needs_vllm and is_main):
+        return evaluators, None
     judge = VllmJudge(
         spec.verifier.name_or_path,
         [p.tolist() for p in prompts],
@@ -244,4 +244,4 @@ def build_judge(
         # Speed-ups are timed in the dtype users serve: bf16 where it is fast, unless the spec names one.
         timing_dtype=vllm_dtype(spec.verifier.dtype, device),
     )
-    return engines, judge
+    return evaluators, judge

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from peagle_core.evaluation.report import EvaluationReport
+from peagle_core.serving.report import EvaluationReport
 from peagle_core.training.hooks import Hooks
 from peagle_core.training.progress import Progress
 from peagle_core.training.resume import DataPosition, TrainingState, restore_latest, save_checkpoint

@@ -3,18 +3,18 @@ spec-decode counters (`evaluation.engine`), every `training.eval_every_steps` an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from peagle_core.data import PreparedDataset
-from peagle_core.evaluation.acceptance import EvalResult, evaluate
-from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, KResult
+from peagle_core.evaluation.acceptance import evaluate
+from peagle_core.figures import Acceptance, KResult
 from peagle_core.hidden_states.verifier import Verifier
 from peagle_core.model.drafter import PEagleDraftModel
-from peagle_core.serving.categories import category_groups, eval_categories_figures, pool_eval
-from peagle_core.serving.judge import GAP_TOLERANCE, Engines, VllmJudge, agreement_gap
+from peagle_core.serving.categories import category_groups, per_category, pool_eval
+from peagle_core.serving.judge import GAP_TOLERANCE, Evaluators, VllmJudge, agreement_gap
+from peagle_core.serving.report import EvaluationReport
 from peagle_core.spec import JobSpec
 from peagle_core.training import sharding
 from peagle_core.training.builders import build_judge, eval_categories, eval_prompts
@@ -32,10 +32,12 @@ class Evaluator:
     prompts: list[torch.Tensor]
     categories: list[str | None] = field(default_factory=list)  # per prompt, where they have one
     # Who measures acceptance length and whether the vLLM publish gate runs (`build` resolves the spec's).
-    engines: Engines = field(
-        default_factory=lambda: Engines(ours=True, vllm=False, gate_off_reason="no serving check configured")
+    evaluators: Evaluators = field(
+        default_factory=lambda: Evaluators(
+            ours=True, vllm=False, gate_off_reason="no serving check configured"
+        )
     )
-    judge: VllmJudge | None = None  # vLLM on the evaluation prompts (rank 0, when `engines` needs it)
+    judge: VllmJudge | None = None  # vLLM on the evaluation prompts (rank 0, when `evaluators` needs it)
 
     @classmethod
     def build(
@@ -47,11 +49,13 @@ class Evaluator:
         device: torch.device,
         hooks: Hooks,
     ) -> Evaluator:
-        """The spec's evaluation prompts (held out from `val_idx`, or its own) and engines."""
+        """The spec's evaluation prompts (held out from `val_idx`, or its own) and evaluators."""
         prompts = eval_prompts(spec, dataset, val_idx, verifier)
         categories = eval_categories(spec, dataset, val_idx)
-        engines, judge = build_judge(spec, prompts, device, is_main=hooks.info.is_main, categories=categories)
-        return cls(spec, hooks, verifier, prompts, categories, engines, judge)
+        evaluators, judge = build_judge(
+            spec, prompts, device, is_main=hooks.info.is_main, categories=categories
+        )
+        return cls(spec, hooks, verifier, prompts, categories, evaluators, judge)
 
     def close(self) -> None:
         if self.judge is not None:
@@ -76,7 +80,10 @@ class Evaluator:
         if whole is None or not self.hooks.info.is_main:
             return None
         ks = self.spec.speculative_tokens
-        engines = [name for name, on in (("peagle", self.engines.ours), ("vllm", self.engines.vllm)) if on]
+        # The event names them as `evaluation.engine` does ("peagle" is ours).
+        engines = [
+            name for name, on in (("peagle", self.evaluators.ours), ("vllm", self.evaluators.vllm)) if on
+        ]
         self.hooks.event(
             "eval" if final else "evaluation",
             f"evaluating at step {step}",
@@ -84,27 +91,26 @@ class Evaluator:
             engines=engines,
         )
         report = EvaluationReport(step=step, results={k: KResult(k) for k in ks})
-        if self.engines.ours:
+        if self.evaluators.ours:
             for k in ks:
                 self._evaluate_ours(whole, step, k, report.results[k])
-        if self.engines.vllm and self.judge is not None:
+        if self.evaluators.vllm and self.judge is not None:
             figures = self.judge.evaluate_model(whole, ks, verifier_config=self.verifier.config)
             for k, fig in figures.items():
-                report.results[k].vllm = AcceptanceFigures.from_dict(fig)
+                report.results[k].vllm = fig
             self._report_vllm(step, report)
         return report
 
     def _evaluate_ours(self, whole: PEagleDraftModel, step: int, k: int, into: KResult) -> None:
         """Our figures at K into `into`, reported as metrics."""
         r, categories = self._ours(whole, k)
-        ours = {key: v for key, v in r.to_dict().items() if key != "k"}
-        into.ours = AcceptanceFigures.from_dict(ours | {"categories": categories} if categories else ours)
+        into.ours = replace(r, categories=categories or None)
         self.hooks.report(
             {"step": step, f"eval/acceptance_length@{k}": r.acceptance_length}
-            | per_position_metrics("eval/acceptance_rate", k, r.acceptance_rate_per_position)
+            | per_position_metrics("eval/acceptance_rate", k, r.rates)
         )
 
-    def _ours(self, whole: PEagleDraftModel, k: int) -> tuple[EvalResult, dict[str, dict[str, Any]]]:
+    def _ours(self, whole: PEagleDraftModel, k: int) -> tuple[Acceptance, dict[str, Acceptance]]:
         """Our evaluator at K on the evaluation prompts, and its figures per category where prompts have one
         (each category decoded apart, then pooled: the pooled figures are the ungrouped ones)."""
         eos = self.verifier.tokenizer.eos_token_id
@@ -116,7 +122,7 @@ class Evaluator:
             name: evaluate(whole, self.verifier, [self.prompts[i] for i in ix], k, n, eos)
             for name, ix in groups.items()
         }
-        return pool_eval(parts, groups), eval_categories_figures(parts)
+        return pool_eval(parts, groups), per_category(parts)
 
     def _report_vllm(self, step: int, report: EvaluationReport) -> None:
         """Report vLLM's acceptance length per K, and warn when it and ours differ by more than 3%."""

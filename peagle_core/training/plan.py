@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.keys import content_key
-from peagle_core.serving.judge import resolve_engines
+from peagle_core.serving.judge import resolve_evaluators
 from peagle_core.spec import JobSpec
 
 PLAN_VERSION = 1
@@ -217,7 +217,7 @@ def _train_rates(spec: JobSpec, dataset_dir: Path, work_dir: Path, verifier: Any
     calib.training.eval_every_steps = None
     calib.training.checkpoint_every_steps = 10**6
     calib.export.vllm_check = False
-    uses_vllm = resolve_engines(spec).vllm
+    uses_vllm = resolve_evaluators(spec).vllm
     # our decoder is timed below, after a warm-up; vLLM's evaluation (its start-up included) is timed here
     calib.evaluation.prompts = CALIBRATION_PROMPTS if uses_vllm else 0
     if uses_vllm:
@@ -395,9 +395,9 @@ def _stage_estimates(
     # middle of its range [1, K + 1], so that no outcome is further than sqrt(K + 1)x from the estimate.
     tokens = rates.eval_tokens_per_prompt
     passes = sum(n_prompts * (1 + tokens / math.sqrt(k + 1)) for k in spec.speculative_tokens)
-    engines = resolve_engines(spec)
-    ours = passes * rates.eval_s_per_pass if engines.ours else 0.0
-    out["eval"] = evals * (ours + (rates.vllm_eval_s if engines.vllm else 0.0))
+    evaluators = resolve_evaluators(spec)
+    ours = passes * rates.eval_s_per_pass if evaluators.ours else 0.0
+    out["eval"] = evals * (ours + (rates.vllm_eval_s if evaluators.vllm else 0.0))
     return {k: round(v, 1) for k, v in out.items()}
 
 

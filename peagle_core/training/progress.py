@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle_core.evaluation.report import EvaluationReport
+from peagle_core.serving.report import EvaluationReport
 from peagle_core.training.resume import TrainingState
 
 

@@ -9,12 +9,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from peagle_core.evaluation.report import EvaluationReport
 from peagle_core.io import atomic_write_json
 from peagle_core.model.drafter import PEagleDraftModel
 from peagle_core.serving.export import export_checkpoint
-from peagle_core.serving.gate import Acceptance, ServingCheck
-from peagle_core.serving.recommendation import ServingRecommendation
+from peagle_core.serving.gate import ServingCheck
+from peagle_core.serving.report import EvaluationReport
 from peagle_core.spec import JobSpec
 from peagle_core.training import distributed as dist_utils
 from peagle_core.training.evaluator import Evaluator, eval_summary
@@ -24,14 +23,14 @@ from peagle_core.training.hooks import Hooks
 @dataclass
 class Publisher:
     """Writes exports under `root` (out_dir/export) for the run's verifier and data, gated by the evaluator's
-    vLLM judge where its engines say the gate runs."""
+    vLLM judge where its evaluators say the gate runs."""
 
     spec: JobSpec
     root: Path
     hooks: Hooks
     verifier_config: Any
     data_fingerprint: str
-    evaluator: Evaluator  # its judge, and the engines resolved for the run
+    evaluator: Evaluator  # its judge, and the evaluators resolved for the run
 
     def publish(
         self,
@@ -63,7 +62,7 @@ class Publisher:
             check = ServingCheck.load(export_dir)  # the verdict the export was published under
             assert check is not None  # export_checkpoint saves one with every export
             self._announce(step, check, k)
-            published = (evaluation or EvaluationReport()).with_serving(check.to_dict())
+            published = (evaluation or EvaluationReport()).with_serving(check)
             atomic_write_json(export_dir / "eval.json", published.to_dict())
         dist_utils.barrier(self.hooks.info)
         return export_dir, published, check
@@ -71,16 +70,16 @@ class Publisher:
     def _gate(self, step: int, evaluation: EvaluationReport | None, k: int) -> Callable[[Path], ServingCheck]:
         """The check an export at K must pass to be published: vLLM's (lossless, acceptance not collapsed
         against ours at K, speed-ups when asked) where it runs, else an `unverified` verdict saying why."""
-        engines, judge = self.evaluator.engines, self.evaluator.judge
-        if not (engines.gate and judge is not None):
-            return partial(_unverified, reason=engines.gate_off_reason or "no serving check was run")
+        evaluators, judge = self.evaluator.evaluators, self.evaluator.judge
+        if not (evaluators.gate and judge is not None):
+            return partial(_unverified, reason=evaluators.gate_off_reason or "no serving check was run")
         self.hooks.event("serving", f"checking the checkpoint in vLLM (K={k})", step=step)
         ours = evaluation.ours(k) if evaluation is not None else None
         return partial(
             judge.gate,
             k=k,
             # The collapse check: vLLM's acceptance against ours at K on the same prompts.
-            ours=Acceptance.of_figures(ours) if ours is not None else None,
+            ours=ours if ours is not None and ours.acceptance_length is not None else None,
             measure_speedup=self.spec.evaluation.measure_speedup,
             speedup_ks=self.spec.speculative_tokens,
             speedup_batch_sizes=self.spec.evaluation.speedup_batch_sizes,
@@ -98,10 +97,10 @@ class Publisher:
             f"vLLM served the checkpoint: acceptance length {check.acceptance_length:.3f} at K={k}",
             serving=check.to_dict(),
         )
-        if check.speedup and check.speedup.get("speedup") is not None:
-            self.hooks.report({"step": step, f"eval/vllm_speedup@{k}": check.speedup["speedup"]})
-        if (recommendation := ServingRecommendation.of(check.to_dict())) is not None:
-            self.hooks.event("serving", recommendation.sentence(), recommendation=check.recommendation)
+        if check.speedup is not None and check.speedup.speedup is not None:
+            self.hooks.report({"step": step, f"eval/vllm_speedup@{k}": check.speedup.speedup})
+        if (recommendation := check.recommendation) is not None:
+            self.hooks.event("serving", recommendation.sentence(), recommendation=recommendation.to_dict())
 
 
 def _unverified(_checkpoint_dir: Path, reason: str) -> ServingCheck:

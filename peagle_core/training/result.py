@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from peagle_core.evaluation.report import EvaluationReport
 from peagle_core.serving.gate import ServingCheck
+from peagle_core.serving.report import EvaluationReport
 
 
 @dataclass
@@ -49,5 +49,5 @@ class PipelineResult:
             export_dir=Path(d["export_dir"]) if d.get("export_dir") else None,
             metrics=dict(d.get("metrics") or {}),
             evaluation=EvaluationReport.from_dict(d["evaluation"]) if d.get("evaluation") else None,
-            serving=ServingCheck(**d["serving"]) if d.get("serving") else None,
+            serving=ServingCheck.from_dict(d["serving"]) if d.get("serving") else None,
         )

@@ -13,9 +13,11 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 
-from peagle_core.evaluation.report import AcceptanceFigures, EvaluationReport, k_key
+from peagle_core.figures import Acceptance, k_key
 from peagle_core.serving.command import serve_command
-from peagle_core.serving.recommendation import NGRAM, ServingRecommendation
+from peagle_core.serving.recommendation import ServingRecommendation
+from peagle_core.serving.report import EvaluationReport
+from peagle_core.serving.speedup import Speedup
 from service.db.models import Checkpoint, Job, JobEvent, Project, utcnow
 from service.ui.session import CSRF_FIELD, UiSession, save_session
 
@@ -116,7 +118,7 @@ def checkpoint_acceptance(ckpt: Checkpoint) -> dict[str, float]:
     }
 
 
-def _vllm_figures(ckpt: Checkpoint) -> dict[str, AcceptanceFigures]:
+def _vllm_figures(ckpt: Checkpoint) -> dict[str, Acceptance]:
     """vLLM's figures per K where it measured them: its spec-decode counters during our evaluation
     (`evaluation.engine`), else the publish check's run on the published files."""
     report = _eval(ckpt)
@@ -126,9 +128,9 @@ def _vllm_figures(ckpt: Checkpoint) -> dict[str, AcceptanceFigures]:
         if r.vllm is not None and r.vllm.acceptance_length is not None
     }
     serving = report.serving
-    measured = serving is not None and serving.figures.acceptance_length is not None
+    measured = serving is not None and serving.acceptance_length is not None
     if not out and measured and serving.k is not None:
-        out[k_key(serving.k)] = serving.figures
+        out[k_key(serving.k)] = serving.acceptance
     return out
 
 
@@ -173,10 +175,10 @@ class CategoryRow:
 def acceptance_by_category(ckpt: Checkpoint) -> list[CategoryRow]:
     """Per K and prompt category (where the evaluation prompts carry one): ours and vLLM's acceptance."""
 
-    def per_category(fig: AcceptanceFigures | None) -> dict[str, AcceptanceFigures]:
+    def per_category(fig: Acceptance | None) -> dict[str, Acceptance]:
         return dict(fig.categories or {}) if fig is not None else {}
 
-    def length(fig: AcceptanceFigures | None) -> float | None:
+    def length(fig: Acceptance | None) -> float | None:
         return _float(fig.acceptance_length) if fig is not None else None
 
     ours = {k_key(k): per_category(r.ours) for k, r in _eval(ckpt).results.items()}
@@ -191,52 +193,27 @@ def acceptance_by_category(ckpt: Checkpoint) -> list[CategoryRow]:
     return rows
 
 
-@dataclass
-class Speedup:
-    k: int | None
-    batch_size: int | None
-    prompts: int | None
-    with_drafter: float
-    without: float
-    ratio: float
-
-
 def vllm_speedup(ckpt: Checkpoint) -> Speedup | None:
-    """vLLM's measured speed-up (`evaluation.measure_speedup`), recorded by the publish check."""
+    """vLLM's measured speed-up (`evaluation.measure_speedup`), recorded by the publish check (None
+    where it lacks a figure the page shows)."""
     serving = _eval(ckpt).serving
     m = serving.speedup if serving is not None else None
-    if m is None:
-        return None
-    a, b, ratio = (_float(v) for v in (m.output_tokens_per_s, m.baseline_output_tokens_per_s, m.speedup))
-    if a is None or b is None or ratio is None:
-        return None
-    return Speedup(m.k, m.batch_size, m.prompts, a, b, ratio)
+    shown = (m.output_tokens_per_s, m.baseline_output_tokens_per_s, m.speedup) if m is not None else (None,)
+    return m if all(v is not None for v in shown) else None
 
 
-@dataclass
-class SpeedupRow:
-    speculator: str  # "this drafter" or "vLLM ngram"
-    k: int
-    batch_size: int
-    speedup: float
-
-
-def vllm_speedups(ckpt: Checkpoint) -> list[SpeedupRow]:
+def vllm_speedups(ckpt: Checkpoint) -> list[Speedup]:
     """Every speed-up the publish check measured, per speculator, K and batch size (none before there
     were several)."""
     serving = _eval(ckpt).serving
-    out = []
-    for r in (serving.speedups if serving is not None else None) or []:
-        ratio, k, batch = _float(r.speedup), r.k, r.batch_size
-        if ratio is not None and k is not None and batch is not None:
-            out.append(SpeedupRow("vLLM ngram" if r.method == NGRAM else "this drafter", k, batch, ratio))
-    return out
+    rows = (serving.speedups if serving is not None else None) or []
+    return [r for r in rows if r.speedup is not None and r.k is not None and r.batch_size is not None]
 
 
 def serving_recommendation(ckpt: Checkpoint) -> ServingRecommendation | None:
     """How to serve it, drawn from those speed-ups (None when they were not measured)."""
     serving = _eval(ckpt).serving
-    return ServingRecommendation.parse(serving.recommendation) if serving is not None else None
+    return serving.recommendation if serving is not None else None
 
 
 @dataclass
@@ -280,7 +257,7 @@ class CheckpointCard:
     positions: list[PositionRow]
     categories: list[CategoryRow]
     speedup: Speedup | None
-    speedups: list[SpeedupRow]
+    speedups: list[Speedup]
     recommendation: ServingRecommendation | None
 
 

@@ -113,7 +113,10 @@ def assert_serving_recommendation_shown(stack: Stack, job_id: str, serving: dict
     assert sorted(rows) == [("eagle3", 2, 1), ("eagle3", 2, 2), ("ngram", 2, 1), ("ngram", 2, 2)]
     assert serving["speedup"] == rows[("eagle3", 2, 1)]
     rec = ServingRecommendation.of(serving)
-    assert rec is not None and rec == ServingRecommendation.choose(serving["speedups"])
+    from peagle_core.serving.speedup import Speedup
+
+    rows_typed = [Speedup.from_dict(r) for r in serving["speedups"]]
+    assert rec is not None and rec == ServingRecommendation.choose(rows_typed)
     assert [(b.batch_size, b.best_k, b.ngram_k) for b in rec.batches] == [(1, 2, 2), (2, 2, 2)]
     beats = any(rows[("eagle3", 2, b)]["speedup"] > 1.0 for b in (1, 2))
     assert rec.k == (2 if beats else None)

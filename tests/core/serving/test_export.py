@@ -412,19 +412,20 @@ def test_cli_validate_gives_a_reason_for_each_vllm_rule(tmp_path: Path) -> None:
 def test_the_model_card_serves_at_the_recommended_k(tmp_path: Path) -> None:
     from peagle_core.serving.gate import ServingCheck
     from peagle_core.serving.recommendation import ServingRecommendation
+    from peagle_core.serving.speedup import Speedup
 
     rows = [
-        {"method": "eagle3", "k": 1, "batch_size": 1, "speedup": 1.3},
-        {"method": "eagle3", "k": 3, "batch_size": 1, "speedup": 1.1},
-        {"method": "ngram", "k": 3, "batch_size": 1, "speedup": 1.05},
+        Speedup(method="eagle3", k=1, batch_size=1, speedup=1.3),
+        Speedup(method="eagle3", k=3, batch_size=1, speedup=1.1),
+        Speedup(method="ngram", k=3, batch_size=1, speedup=1.05),
     ]
     rec = ServingRecommendation.choose(rows)
     assert rec is not None and rec.k == 1
 
     def verified(tmp: Path) -> ServingCheck:
         return ServingCheck(
-            status="verified", engine="vllm 0", k=3, prompts=2, acceptance_length=1.5,
-            acceptance_rate_per_position=[0.5, 0.0, 0.0], speedups=rows, recommendation=rec.to_dict(),
+            status="verified", served_by="vllm 0", k=3, prompts=2, acceptance_length=1.5,
+            acceptance_rate_per_position=[0.5, 0.0, 0.0], speedups=rows, recommendation=rec,
         )  # fmt: skip
 
     out = export_checkpoint(
@@ -434,4 +435,4 @@ def test_the_model_card_serves_at_the_recommended_k(tmp_path: Path) -> None:
     card = (out / "README.md").read_text()
     assert f"- measured in vLLM: {rec.sentence()}" in card
     assert '"num_speculative_tokens": 1' in card and '"num_speculative_tokens": 3' not in card
-    assert ServingCheck.load(out).recommendation == rec.to_dict()
+    assert ServingCheck.load(out).recommendation == rec

@@ -3,14 +3,15 @@ decoding, its sentence and stored form carry that K, and with no K beating plain
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from peagle_core.serving.recommendation import ServingRecommendation
+from peagle_core.serving.speedup import Speedup
 
 
-def row(method: str, k: int, batch_size: int, speedup: float | None) -> dict[str, Any]:
+def row(method: str, k: int, batch_size: int, speedup: float | None) -> Speedup:
     """A `paired_speedups` row, reduced to what the choice reads."""
-    return {"method": method, "k": k, "batch_size": batch_size, "speedup": speedup}
+    return Speedup(method=method, k=k, batch_size=batch_size, speedup=speedup)
 
 
 MEASURED = [
@@ -107,7 +108,7 @@ def test_the_method_choice_compares_both_methods_at_the_smallest_batch_size() ->
     from peagle_core.serving.method_choice import choose_method
 
     peagle = ServingRecommendation.choose(MEASURED, method="peagle")
-    faster = [{**r, "speedup": r["speedup"] + 0.1} if r["method"] == "eagle3" else r for r in MEASURED]
+    faster = [replace(r, speedup=r.speedup + 0.1) if r.method == "eagle3" else r for r in MEASURED]
     eagle3 = ServingRecommendation.choose(faster, method="eagle3")
     assert peagle is not None and eagle3 is not None
     choice = choose_method({"peagle": peagle, "eagle3": eagle3})

@@ -8,7 +8,7 @@ import pytest
 
 from peagle_core.serving.export import model_card
 from peagle_core.serving.gate import NotServableError, ServingCheck
-from peagle_core.serving.judge import EngineUnavailableError, agreement_gap, resolve_engines
+from peagle_core.serving.judge import EvaluatorUnavailableError, agreement_gap, resolve_evaluators
 from peagle_core.spec import parse_spec
 
 BASE = {"verifier": {"name_or_path": "/models/v"}, "dataset": {"path": "/data/x.jsonl"}}
@@ -19,22 +19,22 @@ def spec(engine: str = "auto", vllm_check: bool = True):
 
 
 def test_auto_means_both_where_vllm_is_installed_and_ours_elsewhere() -> None:
-    on = resolve_engines(spec(), available=True)
+    on = resolve_evaluators(spec(), available=True)
     assert (on.ours, on.vllm, on.gate) == (True, True, True)
-    off = resolve_engines(spec(), available=False)
+    off = resolve_evaluators(spec(), available=False)
     assert (off.ours, off.vllm, off.gate) == (True, False, False)
     assert off.gate_off_reason == "vLLM is not installed where this job ran"
 
 
 def test_the_gate_can_be_switched_off_and_says_so() -> None:
-    engines = resolve_engines(spec("peagle", vllm_check=False), available=True)
-    assert not engines.needs_vllm and engines.gate_off_reason == "export.vllm_check is false"
+    evaluators = resolve_evaluators(spec("peagle", vllm_check=False), available=True)
+    assert not evaluators.needs_vllm and evaluators.gate_off_reason == "export.vllm_check is false"
 
 
 @pytest.mark.parametrize("engine", ["vllm", "both"])
 def test_asking_for_vllm_without_it_names_the_field(engine: str) -> None:
-    with pytest.raises(EngineUnavailableError) as err:
-        resolve_engines(spec(engine), available=False)
+    with pytest.raises(EvaluatorUnavailableError) as err:
+        resolve_evaluators(spec(engine), available=False)
     assert str(err.value).startswith("evaluation.engine:") and err.value.code == "invalid_spec"
 
 
