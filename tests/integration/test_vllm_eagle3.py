@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle_core.serving.gate import Acceptance, ServingCheck, check_in_vllm
+from peagle_core.serving.gate import ServingCheck, check_in_vllm
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
 
 SHAPE = "eagle3-draft-vocab-1-layer"
@@ -71,7 +71,7 @@ def test_an_eagle3_export_passes_the_publish_gate(
     from peagle_core.serving.export import export_checkpoint
 
     model = PEagleDraftModel.from_pretrained(exported_drafters[SHAPE])
-    ours = Acceptance.of(ours_eagle3.to_dict())
+    ours = ours_eagle3
 
     def gate(tmp: Path) -> ServingCheck:
         return check_in_vllm(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from peagle_core.serving.gate import Acceptance, NotServableError, ServingCheck, check_in_vllm
+from peagle_core.serving.gate import NotServableError, ServingCheck, check_in_vllm
 from tests.fixtures.vllm import SERVING_NEW_TOKENS
 from tests.integration.conftest import SHAPES
 
@@ -137,7 +137,7 @@ def test_the_gate_fails_a_drafter_whose_acceptance_collapses_in_vllm(
     # (Wrong aux layer ids are no collapse on the toy: its layers are alike, and bench/gate_noise.py
     # measured vLLM's acceptance length 5% lower with them; only the d2t case is a test.)
     bad = _with_shifted_d2t(exported_drafters["draft-vocab-1-layer"], tmp_path / "bad")
-    ours = Acceptance.of(ours_at_3.to_dict())
+    ours = ours_at_3
     run = vllm_engine.generate(
         str(toy_verifier_dir), serving_prompts, SERVING_NEW_TOKENS, drafter=str(bad), k=3
     )
@@ -162,7 +162,7 @@ def test_a_verified_export_records_the_check_beside_the_weights(
     # The bf16-trained drafter (training.precision: bf16) passes the gate like an fp32-trained one.
     assert {s.name: s.precision for s in SHAPES}["draft-vocab-1-layer"] == "bf16"
     model = PEagleDraftModel.from_pretrained(exported_drafters["draft-vocab-1-layer"])
-    ours = Acceptance.of(ours_at_3.to_dict())
+    ours = ours_at_3
 
     def gate(tmp: Path) -> ServingCheck:
         return _check(vllm_engine, toy_verifier_dir, tmp, serving_prompts, plain_greedy, k=3, ours=ours)
@@ -211,13 +211,13 @@ def test_the_judge_reports_categories_and_vllms_speedups_and_how_to_serve(
 
     categories = ["even" if i % 2 == 0 else None for i in range(len(serving_prompts))]
     judge = VllmJudge(
-        str(toy_verifier_dir), serving_prompts, SERVING_NEW_TOKENS, categories=categories, engine=vllm_engine
+        str(toy_verifier_dir), serving_prompts, SERVING_NEW_TOKENS, categories=categories, process=vllm_engine
     )
     assert judge.reference() == plain_greedy
     check = judge.gate(
         exported_drafters["draft-vocab-1-layer"],
         3,
-        ours=Acceptance.of(ours_at_3.to_dict()),
+        ours=ours_at_3,
         measure_speedup=True,
         speedup_ks=[1, 3],
         speedup_batch_sizes=[1, 8],
@@ -228,13 +228,13 @@ def test_the_judge_reports_categories_and_vllms_speedups_and_how_to_serve(
     # Each category decoded as its own batch; pooled, they are the whole set's figures.
     cats = check.categories
     assert list(cats) == ["even", "uncategorised"]
-    assert [c["num_prompts"] for c in cats.values()] == [4, 4]
-    assert sum(c["drafts"] for c in cats.values()) == check.drafts
-    pooled = sum(c["acceptance_length"] * c["drafts"] for c in cats.values()) / check.drafts
+    assert [c.num_prompts for c in cats.values()] == [4, 4]
+    assert sum(c.drafts for c in cats.values()) == check.drafts
+    pooled = sum(c.acceptance_length * c.drafts for c in cats.values()) / check.drafts
     assert pooled == pytest.approx(check.acceptance_length)
     # Every speculator (the drafter, vLLM's ngram), K and batch size, each timed against plain decoding on
     # both engines in alternating pairs, every prompt once per round, the output unchanged.
-    rows = {(r["method"], r["k"], r["batch_size"]): r for r in check.speedups}
+    rows = {(r.method, r.k, r.batch_size): r.to_dict() for r in check.speedups}
     assert sorted(rows) == sorted((m, k, b) for m in ("eagle3", "ngram") for k in (1, 3) for b in (1, 8))
     for r in rows.values():
         assert (r["prompts"], r["rounds"], r["paired"], len(r["speedup_per_round"])) == (8, 1, "per group", 1)
@@ -242,7 +242,7 @@ def test_the_judge_reports_categories_and_vllms_speedups_and_how_to_serve(
         assert r["output_tokens_per_s"] > 0 and r["baseline_output_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["speedup_per_round"][0], abs=1e-4)
     assert rows[("eagle3", 3, 1)]["acceptance_length"] > 1.0  # the drafter drafted
-    assert check.speedup == rows[("eagle3", 3, 1)]  # the gate's K at batch 1, as before
+    assert check.speedup is not None and check.speedup.to_dict() == rows[("eagle3", 3, 1)]  # the gate's K at batch 1, as before
     # The recommendation is drawn from those rows: the served K is the best at the first batch size where
     # one beats plain decoding, and the sentence carries it.
     rec = ServingRecommendation.of(check.to_dict())
