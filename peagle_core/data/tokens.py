@@ -74,7 +74,13 @@ def _head(tokens: Tokens, limit: int) -> Tokens:
     return Tokens(tokens.ids[:limit], [a for a in tokens.added if a[0] < limit])
 
 
-@functools.lru_cache(maxsize=8)
 def prefix_tokenizer(tokenizer: Any) -> PrefixTokenizer:
-    """The `PrefixTokenizer` of `tokenizer`, built once (its added-token pattern is compiled per tokenizer)."""
-    return PrefixTokenizer(tokenizer)
+    """The `PrefixTokenizer` of `tokenizer`, built once per tokenizer (it compiles a pattern of the added
+    tokens: per row, that would cost more than the row)."""
+    try:
+        return _cached(tokenizer)
+    except TypeError:  # an unhashable tokenizer: built for this call
+        return PrefixTokenizer(tokenizer)
+
+
+_cached = functools.lru_cache(maxsize=8)(PrefixTokenizer)
