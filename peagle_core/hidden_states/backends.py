@@ -34,7 +34,8 @@ from peagle_core.hidden_states.loader import (
     VerifierCompute,
     VerifierFactory,
 )
-from peagle_core.hidden_states.vllm_extract import VllmHiddenStates, VllmHiddenStatesConfig, vllm_dtype
+from peagle_core.hidden_states.vllm_extract import VllmHiddenStates, VllmHiddenStatesConfig
+from peagle_core.model.precision import vllm_dtype
 
 BACKENDS = ("transformers", "vllm")  # the values of `hidden_states.engine`
 VllmFactory = Callable[[], VllmHiddenStates]
@@ -47,7 +48,7 @@ def vllm_config_for(spec: Any, layer_ids: Sequence[int], *, cuda: bool) -> VllmH
         layer_ids=tuple(int(i) for i in layer_ids),
         # a prompt of seq_len tokens plus the one token each request generates
         max_model_len=int(spec.dataset.seq_len) + 16,
-        dtype=vllm_dtype(spec.verifier.dtype, cuda),
+        dtype=vllm_dtype(spec.verifier.dtype, "cuda" if cuda else "cpu"),
         revision=spec.verifier.revision,
         trust_remote_code=spec.verifier.trust_remote_code,
         tensor_parallel_size=spec.resources.tensor_parallel_size,

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.errors import PeagleError
-from peagle_core.model import precision
 from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
 
 CONNECTOR = "PeagleHiddenStatesConnector"
@@ -49,11 +48,6 @@ class VllmHiddenStatesConfig:
     data_parallel_size: int = 1
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = True
-
-
-def vllm_dtype(spec_dtype: str, cuda: bool) -> str:
-    """The verifier dtype vLLM runs in (`peagle_core.model.precision.vllm_dtype` on this machine's device)."""
-    return precision.vllm_dtype(spec_dtype, "cuda" if cuda else "cpu")
 
 
 class VllmHiddenStates:

@@ -9,11 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from service.api.errors import ApiError
+from starlette.types import Receive, Scope, Send
 
-Scope = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[dict[str, Any]], Any]
+from service.api.errors import ApiError
 
 
 class BodyLimitMiddleware:

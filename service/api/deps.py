@@ -59,7 +59,7 @@ Store = Annotated[ArtifactStore, Depends(get_store)]
 AppMetrics = Annotated[Metrics, Depends(get_metrics)]
 
 
-def current_project(
+def bearer_key_project(
     request: Request, db: DB, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Project:
     """The project of the presented API key; 401 (with the envelope) when missing or unknown, 429 when the
@@ -94,4 +94,4 @@ async def presented_key_hash(
     return hash_key(creds.credentials)
 
 
-CurrentProject = Annotated[Project, Depends(current_project)]
+CurrentProject = Annotated[Project, Depends(bearer_key_project)]

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
+
+from starlette.types import Receive, Scope, Send
 
 from service.api.errors import ApiError
 
-Scope = dict[str, Any]
 _WRITES = frozenset({b"POST", b"PUT", b"PATCH", b"DELETE"})
 
 
@@ -57,7 +57,7 @@ class FairShareMiddleware:
         self._inflight: Counter[str] = Counter()  # writes, until they end
         self._unanswered: Counter[str] = Counter()  # any request, until its answer's head is sent
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Any], send: Callable[..., Any]) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

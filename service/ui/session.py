@@ -124,10 +124,10 @@ def save_session(request: Request, response: Response, session: UiSession) -> No
     )
 
 
-def current_project(request: Request, session: Session, db: DB) -> Project:
+def signed_in_project(request: Request, session: Session, db: DB) -> Project:
     """The signed-in key's project; NotSignedIn when there is no session or its key was revoked.
 
-    Like the API's bearer dependency, it leaves the key's hash on `request.state.key_hash`, so per-key
+    Like the API's `bearer_key_project`, it leaves the key's hash on `request.state.key_hash`, so per-key
     accounting in the REST routes the dashboard calls sees the same key.
     """
     key = live_key_by_id(db, session.key_id) if session.key_id else None
@@ -143,7 +143,7 @@ def current_project(request: Request, session: Session, db: DB) -> Project:
     return project
 
 
-UiProject = Annotated[Project, Depends(current_project)]
+UiProject = Annotated[Project, Depends(signed_in_project)]
 
 
 def check_csrf(session: UiSession, token: str | None) -> None:
