@@ -107,7 +107,7 @@ def assert_serving_recommendation_shown(stack: Stack, job_id: str, serving: dict
     from service.crud.projects import create_key
     from service.db.models import Project
     from tests.fixtures.stack import serve_app
-    from tests.service.test_ui import sign_in
+    from tests.service.ui.test_ui import sign_in
 
     rows = {(r["method"], r["k"], r["batch_size"]): r for r in serving["speedups"]}
     assert sorted(rows) == [("eagle3", 2, 1), ("eagle3", 2, 2), ("ngram", 2, 1), ("ngram", 2, 2)]

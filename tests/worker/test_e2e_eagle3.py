@@ -59,7 +59,7 @@ def test_an_eagle3_job_through_the_api_is_published_and_served_without_parallel_
     from cli import build_app
     from peagle_core.serving.recommendation import ServingRecommendation
     from tests.fixtures.stack import serve_app
-    from tests.service.test_ui import sign_in
+    from tests.service.ui.test_ui import sign_in
 
     client, auth = api
     evaluation = {

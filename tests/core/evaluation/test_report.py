@@ -13,7 +13,7 @@ from peagle_core.serving.report import EvaluationReport
 from peagle_core.serving.speedup import Speedup
 from tests.fixtures.eval_reports import UI_EVAL, figures
 
-# tests/service/test_ui.py's smaller one: ours and vLLM's acceptance length alone.
+# tests/service/ui/test_ui.py's smaller one: ours and vLLM's acceptance length alone.
 UI_EVAL_SMALL = {
     "step": 1,
     "results": {"k=2": {"k": 2, "acceptance_length": 2.125, "vllm": {"acceptance_length": 2.0625}}},

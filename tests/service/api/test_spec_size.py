@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from service.db.models import Job
 from service.db.session import session_factory
-from tests.service.test_ui import csrf_of, sign_in
+from tests.service.ui.test_ui import csrf_of, sign_in
 
 ANCHOR_CHARS = 32 * 1024
 ALIASES = 1000

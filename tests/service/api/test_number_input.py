@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from peagle_core.spec import SpecError, load_spec
-from tests.service.test_ui import csrf_of, sign_in
+from tests.service.ui.test_ui import csrf_of, sign_in
 
 HUGE = "9" * 5000
 # (field, literal) pairs: what a client can write in a JSON body where the spec wants a number.

@@ -17,7 +17,7 @@ from service.crud.limits import set_limits
 from service.crud.projects import project_for_key
 from service.db.session import session_factory
 from tests.service.conftest import create_job
-from tests.service.test_ui import csrf_of, sign_in
+from tests.service.ui.test_ui import csrf_of, sign_in
 
 ROW = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
 

@@ -13,7 +13,7 @@ import pytest
 from fastapi.routing import APIRoute
 
 from service.api.body_route import BodyRoute, body_kind
-from tests.service.test_ui import csrf_of, sign_in
+from tests.service.ui.test_ui import csrf_of, sign_in
 
 GOOD = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from service.api.auth_limit import AuthLimiter, MemoryStore, RedisStore
 from service.api.errors import ApiError
-from tests.service.test_ui import CSRF
+from tests.service.ui.test_ui import CSRF
 
 MAX, WINDOW = 3, 60
 START = 1000 * WINDOW + 1.0  # one second into a window: Retry-After is exactly WINDOW - 1

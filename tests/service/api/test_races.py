@@ -18,7 +18,7 @@ from sqlalchemy import select
 from service.db.models import Checkpoint, Job
 from service.db.session import session_factory
 from tests.service.conftest import create_job
-from tests.service.test_doors import _jsonl
+from tests.service.api.test_doors import _jsonl
 
 ROUNDS = 6
 REQUESTS = 16  # per round: 6 x 16 = 96 requests, as the probe fired
@@ -227,7 +227,7 @@ def test_concurrent_first_sign_ins_share_one_session_nonce(client, api_key) -> N
     the later commit signed the earlier cookie out)."""
     from fastapi.testclient import TestClient
 
-    from tests.service.test_ui import csrf_of
+    from tests.service.ui.test_ui import csrf_of
 
     with TestClient(client.app, base_url="http://localhost", raise_server_exceptions=False) as other:
         browsers = [client, other]

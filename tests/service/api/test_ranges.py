@@ -23,7 +23,7 @@ from service.tracking import tensorboard_key
 from service.ui.data import _plotly
 from service.ui.views import HERE
 from tests.fixtures.stack import TEST_QUEUES
-from tests.service.test_ui import sign_in
+from tests.service.ui.test_ui import sign_in
 
 MODEL = bytes(range(256)) * 40
 FILES = {"config.json": b'{"a": 1}\n', "model.safetensors": MODEL}
