@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,21 +64,8 @@ def _decode_batch(
 
     vdev = verifier.device
     ddev = next(drafter.parameters()).device
-
-    # Prefill: the prompts, left-padded, give the cache, the first token and the prompts' aux states.
-    ids, mask = _left_pad([torch.tensor(r.ids, dtype=torch.long) for r in rows])
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
-    logits, aux = verifier.extend(ids, mask, positions, cache, logits_to_keep=1)
-    first = logits[:, -1].argmax(-1).tolist()
-    for b, r in enumerate(rows):
-        r.aux.append(aux[b, mask.shape[1] - len(r.ids) :])
-        r.ids.append(first[b])
-        r.out.append(first[b])
-    mask = mask.to(vdev)
-    # each row's next position: that of its bonus token, the last of `ids` (which has no KV yet)
-    pos = torch.tensor([len(r.ids) - 1 for r in rows], device=vdev)
-
+    mask, pos = _prefill(verifier, rows, cache)
     dcache = DraftCache(len(drafter.layers), len(rows), ddev) if drafter_cache else None
     live = [b for b, r in enumerate(rows) if not _done(r, max_new_tokens, eos_token_id)]
     active = rows
@@ -86,16 +73,7 @@ def _decode_batch(
         if len(live) < len(active):
             if not live:
                 break
-            sel = torch.tensor(live, device=vdev)
-            cache.batch_select_indices(sel)
-            mask, pos = mask[live], pos[live]
-            # columns no remaining row uses (left padding, rejected drafts of finished rows)
-            start = int(mask.any(0).long().argmax())
-            if start:
-                _drop_leading(cache, start)
-                mask = mask[:, start:]
-            if dcache is not None:
-                dcache.select(sel.to(ddev))
+            mask, pos = _keep_rows(live, cache, dcache, mask, pos)
             active = [active[b] for b in live]
 
         drafts = _draft(drafter, dcache, active, k).to(vdev)
@@ -119,6 +97,38 @@ def _decode_batch(
         _accept(active, drafts, greedy, n_ok, aux, max_new_tokens, eos_token_id)
 
         live = [b for b, r in enumerate(active) if not _done(r, max_new_tokens, eos_token_id)]
+
+
+def _prefill(verifier: Verifier, rows: list[_Row], cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompts, left-padded, into `cache`; append each row's first token and prompt aux states.
+    Returns the attention mask and each row's next position (that of its bonus token, which has no KV yet)."""
+    ids, mask = _left_pad([torch.tensor(r.ids, dtype=torch.long) for r in rows])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    logits, aux = verifier.extend(ids, mask, positions, cache, logits_to_keep=1)
+    first = logits[:, -1].argmax(-1).tolist()
+    for b, r in enumerate(rows):
+        r.aux.append(aux[b, mask.shape[1] - len(r.ids) :])
+        r.ids.append(first[b])
+        r.out.append(first[b])
+    pos = torch.tensor([len(r.ids) - 1 for r in rows], device=verifier.device)
+    return mask.to(verifier.device), pos
+
+
+def _keep_rows(
+    live: list[int], cache: Any, dcache: DraftCache | None, mask: torch.Tensor, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Narrow both caches, the mask and the positions to the `live` rows; returns (mask, pos)."""
+    sel = torch.tensor(live, device=mask.device)
+    cache.batch_select_indices(sel)
+    mask, pos = mask[live], pos[live]
+    # columns no remaining row uses (left padding, rejected drafts of finished rows)
+    start = int(mask.any(0).long().argmax())
+    if start:
+        _drop_leading(cache, start)
+        mask = mask[:, start:]
+    if dcache is not None:
+        dcache.select(sel.to(dcache.lengths.device))
+    return mask, pos
 
 
 def _draft(drafter: PEagleDraftModel, dcache: DraftCache | None, rows: list[_Row], k: int) -> torch.Tensor:
