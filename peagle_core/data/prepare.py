@@ -198,58 +198,75 @@ def prepare_dataset(
     rows = _tokenize_rows(
         tokenizer, data_path, fmt, max_line_bytes, seq_len, vocab_size, max_samples, should_stop
     )
-    all_ids, all_masks, source_format = rows.ids, rows.masks, rows.source_format
-    if rows.skipped and not all_ids:
+    _check_rows(rows, data_path, seq_len)
+    input_ids, loss_mask = torch.cat(rows.ids), torch.cat(rows.masks)
+    lengths = torch.tensor([0] + [len(t) for t in rows.ids], dtype=torch.int64)
+    d2t, t2d = build_draft_vocab(token_counts(input_ids, loss_mask, vocab_size), draft_vocab_size)
+    manifest = {
+        **_manifest(rows, input_ids, loss_mask, t2d, seq_len=seq_len, max_samples=max_samples),
+        **_identity(tokenizer, source, seq_len, rows.source_format, max_samples),
+        "verifier_name_or_path": str(verifier_path),
+        "verifier_vocab_size": vocab_size,
+        "draft_vocab_size": int(d2t.numel()),
+        "mask_token_id": find_mask_token_id(tokenizer, vocab_size, verifier_dir),
+    }
+    with atomic_dir(out_dir) as tmp:
+        tokens = {"input_ids": input_ids, "loss_mask": loss_mask, "offsets": torch.cumsum(lengths, 0)}
+        save_file(tokens, str(tmp / TOKENS))
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp / VOCAB))
+        atomic_write_json(tmp / MANIFEST, manifest)
+    return PreparedDataset.open(out_dir)
+
+
+def _check_rows(rows: Any, data_path: Path, seq_len: int) -> None:
+    """DataError when no row is left to train on (naming why); a warning for the rows left out."""
+    if rows.skipped and not rows.ids:
         raise DataError(
             f"no row has an assistant token to train on within seq_len={seq_len} ({len(rows.skipped)} "
             f"row(s), from line {rows.skipped[0]}); raise dataset.seq_len or shorten the prompts",
             param="dataset.seq_len",
         )
-    if not all_ids:
+    if not rows.ids:
         raise DataError(f"{data_path}: the dataset has no rows", param="data")
+    if not any(bool(m.any()) for m in rows.masks):  # unreachable through the per-row check: the last guard
+        raise DataError("the dataset has no trainable (assistant) token", param="data")
     if rows.skipped:
         log.warning("%s: %d row(s) with nothing to train on within seq_len=%d left out (lines %s)",
                     data_path, len(rows.skipped), seq_len, rows.skipped[:_SKIPPED_LINES_KEPT])  # fmt: skip
 
-    input_ids = torch.cat(all_ids)
-    loss_mask = torch.cat(all_masks)
-    num_loss = int(loss_mask.sum())
-    if num_loss == 0:  # unreachable through the per-row check; kept as the last guard before GPU time
-        raise DataError("the dataset has no trainable (assistant) token", param="data")
-    lengths = torch.tensor([0] + [len(t) for t in all_ids], dtype=torch.int64)
-    offsets = torch.cumsum(lengths, 0)
 
-    d2t, t2d = build_draft_vocab(token_counts(input_ids, loss_mask, vocab_size), draft_vocab_size)
-    covered = float(t2d[input_ids[loss_mask.bool()].long()].float().mean())
-    tok_fp = tokenizer_fingerprint(tokenizer)
-    source_sha = source.sha256
-    # The data's own identity (the hidden-state cache checks it): what the tokens depend on.
-    fp = content_key("prepared_data", tok_fp, source_sha, seq_len, source_format, max_samples)
-    manifest = {
+def _manifest(
+    rows: Any, input_ids: torch.Tensor, loss_mask: torch.Tensor, t2d: torch.Tensor, *, seq_len: int,
+    max_samples: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The manifest's counts: samples, tokens, loss tokens, rows left out, the draft vocabulary's coverage."""
+    return {
         "format_version": FORMAT_VERSION,
-        "num_samples": len(all_ids),
+        "num_samples": len(rows.ids),
         "num_tokens": int(input_ids.numel()),
-        "num_loss_tokens": num_loss,
+        "num_loss_tokens": int(loss_mask.sum()),
         "skipped_rows": len(rows.skipped),
         "skipped_lines": rows.skipped[:_SKIPPED_LINES_KEPT],
         "seq_len": seq_len,
         "max_samples": max_samples,
-        "source_format": source_format,
-        "source_path": str(data_path),
-        "source_sha256": source_sha,
-        "tokenizer_fingerprint": tok_fp,
-        "fingerprint": fp,
-        "verifier_name_or_path": str(verifier_path),
-        "verifier_vocab_size": vocab_size,
-        "draft_vocab_size": int(d2t.numel()),
-        "draft_vocab_coverage": round(covered, 6),
-        "mask_token_id": find_mask_token_id(tokenizer, vocab_size, verifier_dir),
+        "draft_vocab_coverage": round(float(t2d[input_ids[loss_mask.bool()].long()].float().mean()), 6),
     }
-    with atomic_dir(out_dir) as tmp:
-        save_file({"input_ids": input_ids, "loss_mask": loss_mask, "offsets": offsets}, str(tmp / TOKENS))
-        save_file({"d2t": d2t, "t2d": t2d}, str(tmp / VOCAB))
-        atomic_write_json(tmp / MANIFEST, manifest)
-    return PreparedDataset.open(out_dir)
+
+
+def _identity(
+    tokenizer: Any, source: InputFile, seq_len: int, source_format: str, max_samples: int | None
+) -> dict[str, Any]:
+    """The data's own identity (the hidden-state cache checks it): what the tokens depend on."""
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    return {
+        "source_format": source_format,
+        "source_path": str(source.path),
+        "source_sha256": source.sha256,
+        "tokenizer_fingerprint": tok_fp,
+        "fingerprint": content_key(
+            "prepared_data", tok_fp, source.sha256, seq_len, source_format, max_samples
+        ),
+    }
 
 
 def prepare_for_spec(
