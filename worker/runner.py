@@ -28,7 +28,7 @@ from peagle_core.spec import JobSpec
 from service.artifacts import ArtifactStore
 from service.crud import jobstate
 from service.crud.checkpoints import add_checkpoint, find_checkpoint
-from service.crud.datasets import get_dataset
+from service.crud.datasets import get_dataset_row
 from service.crud.events import add_event
 from service.crud.jobs import ACTIVE_STATUSES, find_job
 from service.db.jsondata import json_safe
@@ -330,17 +330,20 @@ class JobRunner:
             callbacks=callbacks,
             max_line_bytes=self.settings.max_line_bytes,
         )
+        return pipeline.run(before_train=before_train, train_stage=self._train_stage(job, spec, monitor))
+
+    def _train_stage(self, job: Job, spec: JobSpec, monitor: JobMonitor) -> TrainStage | None:
+        """Where training runs: a gang of workers across nodes, torchrun on this node's GPUs, or (None)
+        the pipeline's own process."""
         if spec.resources.nodes_max > 1:
             leader = GangLeader(
                 self.settings, AttemptContext(self.sessions, self.job_id, self.attempt), self.worker_name,
                 preempted=monitor.preempted, prepared_key=lambda: self.prepared_key,
             )  # fmt: skip
-            train_stage: TrainStage | None = leader.train
-        elif spec.resources.gpus > 1:
-            train_stage = self._train_distributed(job, monitor.preempted)
-        else:
-            train_stage = None
-        return pipeline.run(before_train=before_train, train_stage=train_stage)
+            return leader.train
+        if spec.resources.gpus > 1:
+            return self._train_distributed(job, monitor.preempted)
+        return None
 
     def _train_distributed(self, job: Job, preempted: threading.Event) -> TrainStage:
         def train_stage(
@@ -360,7 +363,7 @@ class JobRunner:
 
         def dataset() -> Any:
             with self.sessions() as session:
-                return get_dataset(session, job.project_id, spec.dataset.id)
+                return get_dataset_row(session, job.project_id, spec.dataset.id)
 
         ds = self._db(dataset, f"reading dataset {spec.dataset.id}")
         if ds is None:
