@@ -278,8 +278,19 @@ def _train_model(size: ToySize, tokenizer, train_ids: list[int], val_ids: list[i
         pad_token_id=tokenizer.pad_token_id,
     )
     model = LlamaForCausalLM(config)
-    model.train()
+    final_loss = _fit(model, size, train_ids, seed)
+    metrics = _heldout_metrics(model, val_ids, size.seq_len)
+    metrics["chance_accuracy"] = 1.0 / config.vocab_size
+    metrics["final_train_loss"] = final_loss
+    return model, metrics
 
+
+def _fit(model, size: ToySize, train_ids: list[int], seed: int) -> float:
+    """Train on random `size.seq_len` windows of `train_ids` (warmup, then cosine decay to a tenth of the
+    peak); returns the last step's loss. Part of the recipe: a change here wants a BUILD_VERSION bump."""
+    import torch
+
+    model.train()
     T = size.seq_len
     data = torch.tensor(train_ids, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
@@ -302,6 +313,12 @@ def _train_model(size: ToySize, tokenizer, train_ids: list[int], val_ids: list[i
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+    return float(loss.item())
+
+
+def _heldout_metrics(model, val_ids: list[int], T: int) -> dict[str, float]:
+    """Next-token accuracy and perplexity on up to 32 windows of `val_ids`."""
+    import torch
 
     model.eval()
     val = torch.tensor(val_ids, dtype=torch.long)
@@ -318,14 +335,11 @@ def _train_model(size: ToySize, tokenizer, train_ids: list[int], val_ids: list[i
             nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
             correct += (logits.argmax(-1) == target).sum().item()
             total += len(target)
-    metrics = {
+    return {
         "heldout_tokens": total,
         "heldout_next_token_accuracy": correct / max(total, 1),
         "heldout_perplexity": math.exp(nll / max(total, 1)),
-        "chance_accuracy": 1.0 / config.vocab_size,
-        "final_train_loss": float(loss.item()),
     }
-    return model, metrics
 
 
 def build_toy_verifier(
