@@ -137,47 +137,66 @@ def paired_speedups(
         run(side, batchings[0][0])
     items = [(s, g) for s, groups in enumerate(batchings) for g in groups]
     blocks = [[item] for item in items] if plain is not drafted else [items]
-    n = len(batchings)
-    ratios: list[list[float]] = [[] for _ in range(n)]
-    rates: list[dict[str, list[float]]] = [{"plain": [], "drafted": []} for _ in range(n)]
-    drafts, accepted = [0] * n, [0] * n
-    tokens: list[dict[str, list[list[int]]]] = []
+    tallies = [_Tally() for _ in batchings]
     for r in range(rounds):
         if on_round is not None and r:
             on_round(r)
-        spent = [{side: [0, 0.0] for side in sides} for _ in range(n)]  # output tokens, seconds
-        tokens = [{"plain": [], "drafted": []} for _ in range(n)]
+        for t in tallies:
+            t.start_round()
         for b, block in enumerate(blocks):
             order = ("plain", "drafted") if (r + b) % 2 == 0 else ("drafted", "plain")
             for side in order:
                 for s, group in block:
-                    out = run(side, group)
-                    spent[s][side][0] += out.num_output_tokens
-                    spent[s][side][1] += out.seconds
-                    tokens[s][side].extend(out.tokens)
-                    if side == "drafted":
-                        drafts[s] += out.num_drafts
-                        accepted[s] += out.num_accepted_tokens
-        for s in range(n):
-            for side in sides:
-                seconds = spent[s][side][1]
-                rates[s][side].append(spent[s][side][0] / seconds if seconds > 0 else 0.0)
-            if rates[s]["plain"][-1] > 0:
-                ratios[s].append(rates[s]["drafted"][-1] / rates[s]["plain"][-1])
-    return [
-        Speedup(
+                    tallies[s].add(side, run(side, group))
+        for t in tallies:
+            t.end_round()
+    paired = "per group" if plain is not drafted else "per round (ABBA)"
+    return [t.speedup(groups, method=method, k=k, rounds=rounds, paired=paired)
+            for t, groups in zip(tallies, batchings, strict=True)]  # fmt: skip
+
+
+@dataclass
+class _Tally:
+    """One batching's timings over the rounds: each round's output tokens/s per side and their ratio, the
+    drafted side's drafts and accepted tokens, and the last round's tokens of each side."""
+
+    rates: dict[str, list[float]] = field(default_factory=lambda: {"plain": [], "drafted": []})
+    ratios: list[float] = field(default_factory=list)
+    drafts: int = 0
+    accepted: int = 0
+    spent: dict[str, list[float]] = field(default_factory=dict)  # side -> [output tokens, seconds]
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def start_round(self) -> None:
+        self.spent = {side: [0, 0.0] for side in self.rates}
+        self.tokens = {side: [] for side in self.rates}
+
+    def add(self, side: str, out: Any) -> None:
+        self.spent[side][0] += out.num_output_tokens
+        self.spent[side][1] += out.seconds
+        self.tokens[side].extend(out.tokens)
+        if side == "drafted":
+            self.drafts += out.num_drafts
+            self.accepted += out.num_accepted_tokens
+
+    def end_round(self) -> None:
+        for side, (output_tokens, seconds) in self.spent.items():
+            self.rates[side].append(output_tokens / seconds if seconds > 0 else 0.0)
+        if self.rates["plain"][-1] > 0:
+            self.ratios.append(self.rates["drafted"][-1] / self.rates["plain"][-1])
+
+    def speedup(self, groups: Groups, *, method: str, k: int, rounds: int, paired: str) -> Speedup:
+        return Speedup(
             method=method,
             batch_size=max(map(len, groups)),
             k=k,
             prompts=sum(map(len, groups)),
             rounds=rounds,
-            paired="per group" if plain is not drafted else "per round (ABBA)",
-            output_tokens_per_s=statistics.median(rates[s]["drafted"]),
-            baseline_output_tokens_per_s=statistics.median(rates[s]["plain"]),
-            speedup=statistics.median(ratios[s]) if ratios[s] else None,
-            speedup_per_round=[round(x, 4) for x in ratios[s]],
-            acceptance_length=1 + accepted[s] / drafts[s] if drafts[s] else 1.0,
-            lossless=tokens[s]["plain"] == tokens[s]["drafted"],
+            paired=paired,
+            output_tokens_per_s=statistics.median(self.rates["drafted"]),
+            baseline_output_tokens_per_s=statistics.median(self.rates["plain"]),
+            speedup=statistics.median(self.ratios) if self.ratios else None,
+            speedup_per_round=[round(x, 4) for x in self.ratios],
+            acceptance_length=1 + self.accepted / self.drafts if self.drafts else 1.0,
+            lossless=self.tokens["plain"] == self.tokens["drafted"],
         )
-        for s, groups in enumerate(batchings)
-    ]
