@@ -83,34 +83,9 @@ def transition(
     job's `attempt` still equals it, so a worker whose job was taken from it (and claimed again) can
     change nothing. `where` adds further conditions.
     """
-    if to not in JOB_STATUSES:
-        raise IllegalTransition(f"unknown job status {to!r}")
-    allowed = sources_of(to)
-    expected = frozenset(expect) if expect is not None else allowed
-    bad = expected - allowed
-    if bad:
-        raise IllegalTransition(f"a job cannot go from {sorted(bad)} to {to!r}")
-    if not expected:
+    expected = _checked_sources(to, expect)
+    if not expected or not _update_status(session, job_id, to, expected, fence, where, fields):
         return False
-    if isinstance(fields.get("error"), dict):
-        # A stored error is read by the project: no server path in its message, nor in its param.
-        fields["error"] = redact_paths(fields["error"])
-    now = db_now_sql(session)
-    stamp = _STAMPS[to]
-    values: dict[str, Any] = {"status": to, "updated_at": now, **fields}
-    values.setdefault(stamp, now)
-    conditions = [Job.id == job_id, Job.status.in_(sorted(expected)), *where]
-    if fence is not None:
-        conditions.append(Job.attempt == fence)
-    result = session.execute(
-        update(Job).where(*conditions).values(**values).execution_options(synchronize_session=False)
-    )
-    if result.rowcount != 1:
-        return False
-    # The UPDATE bypassed the ORM: make a Job already loaded in this session re-read its row.
-    loaded = session.identity_map.get(identity_key(Job, job_id))
-    if loaded is not None:
-        session.expire(loaded)
     add_event(
         session,
         job_id,
@@ -123,6 +98,49 @@ def transition(
         session.commit()
     else:
         session.flush()
+    return True
+
+
+def _checked_sources(to: str, expect: Iterable[str] | None) -> frozenset[str]:
+    """`expect`, else every status that may enter `to`; IllegalTransition names one that may not."""
+    if to not in JOB_STATUSES:
+        raise IllegalTransition(f"unknown job status {to!r}")
+    allowed = sources_of(to)
+    expected = frozenset(expect) if expect is not None else allowed
+    bad = expected - allowed
+    if bad:
+        raise IllegalTransition(f"a job cannot go from {sorted(bad)} to {to!r}")
+    return expected
+
+
+def _update_status(
+    session: Session,
+    job_id: str,
+    to: str,
+    expected: frozenset[str],
+    fence: int | None,
+    where: Iterable[ColumnElement[bool]],
+    fields: dict[str, Any],
+) -> bool:
+    """The conditional UPDATE behind `transition`; whether it changed the row."""
+    if isinstance(fields.get("error"), dict):
+        # A stored error is read by the project: no server path in its message, nor in its param.
+        fields["error"] = redact_paths(fields["error"])
+    now = db_now_sql(session)
+    values: dict[str, Any] = {"status": to, "updated_at": now, **fields}
+    values.setdefault(_STAMPS[to], now)
+    conditions = [Job.id == job_id, Job.status.in_(sorted(expected)), *where]
+    if fence is not None:
+        conditions.append(Job.attempt == fence)
+    result = session.execute(
+        update(Job).where(*conditions).values(**values).execution_options(synchronize_session=False)
+    )
+    if result.rowcount != 1:
+        return False
+    # The UPDATE bypassed the ORM: make a Job already loaded in this session re-read its row.
+    loaded = session.identity_map.get(identity_key(Job, job_id))
+    if loaded is not None:
+        session.expire(loaded)
     return True
 
 
