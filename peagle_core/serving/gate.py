@@ -203,6 +203,53 @@ def vllm_version() -> str | None:
     return None
 
 
+def _drafted_run(
+    engine: VllmProcess,
+    verifier: str,
+    checkpoint_dir: str | Path,
+    prompts: list[list[int]],
+    k: int,
+    max_new_tokens: int,
+    groups: Mapping[str, list[int]] | None,
+    engine_kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """vLLM's greedy decode of `prompts` with the drafter at K: (the run, pooled over categories when
+    `groups` decode each category as a batch of its own; the category runs). NotServableError when vLLM
+    refuses the checkpoint or fails with it."""
+    from peagle_core.vllm_engine import VllmError, model_len_for
+
+    drafted = {"drafter": str(checkpoint_dir), "k": k}
+    try:
+        if not groups:
+            return engine.generate(verifier, prompts, max_new_tokens, **drafted, **engine_kwargs), {}
+        # One engine for every category's batch: the model length the whole set needs.
+        engine_kwargs.setdefault("max_model_len", model_len_for(prompts, max_new_tokens, k))
+        parts = {
+            name: engine.generate(
+                verifier, [prompts[i] for i in ix], max_new_tokens, **drafted, **engine_kwargs
+            )
+            for name, ix in groups.items()
+        }
+        return pool_runs(parts, groups), parts
+    except VllmError as exc:
+        verb = "refused to load" if exc.phase == "load" else "failed while decoding with"
+        raise NotServableError(f"vLLM {verb} the checkpoint: {exc}") from exc
+
+
+def _check_lossless(reference: list[list[int]], tokens: list[list[int]]) -> None:
+    """NotServableError naming the first prompt and token where the drafted output left the plain one."""
+    for i, (want, got) in enumerate(zip(reference, tokens, strict=True)):
+        if want != got:
+            at = next(
+                (j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+                min(len(want), len(got)),
+            )
+            raise NotServableError(
+                f"vLLM's greedy output with the drafter differs from its output without it "
+                f"(prompt {i}, token {at} of {len(want)}): the checkpoint does not match what vLLM expects"
+            )
+
+
 def check_in_vllm(
     engine: VllmProcess,
     *,
@@ -225,46 +272,14 @@ def check_in_vllm(
     floor ours sets. With `groups` (prompt indices per category) each category is decoded as a batch of
     its own and `categories` holds its figures.
     """
-    from peagle_core.vllm_engine import VllmError, model_len_for
-
     if not prompts:
         raise ValueError("the serving check needs at least one prompt")
     if reference is None:
         reference = engine.generate(verifier, prompts, max_new_tokens, **engine_kwargs).tokens
-    try:
-        if groups:
-            # One engine for every category's batch: the model length the whole set needs.
-            engine_kwargs.setdefault("max_model_len", model_len_for(prompts, max_new_tokens, k))
-            parts = {
-                name: engine.generate(
-                    verifier,
-                    [prompts[i] for i in ix],
-                    max_new_tokens,
-                    drafter=str(checkpoint_dir),
-                    k=k,
-                    **engine_kwargs,
-                )
-                for name, ix in groups.items()
-            }
-            run = pool_runs(parts, groups)
-        else:
-            parts = {}
-            run = engine.generate(
-                verifier, prompts, max_new_tokens, drafter=str(checkpoint_dir), k=k, **engine_kwargs
-            )
-    except VllmError as exc:
-        verb = "refused to load" if exc.phase == "load" else "failed while decoding with"
-        raise NotServableError(f"vLLM {verb} the checkpoint: {exc}") from exc
-    for i, (want, got) in enumerate(zip(reference, run.tokens, strict=True)):
-        if want != got:
-            at = next(
-                (j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
-                min(len(want), len(got)),
-            )
-            raise NotServableError(
-                f"vLLM's greedy output with the drafter differs from its output without it "
-                f"(prompt {i}, token {at} of {len(want)}): the checkpoint does not match what vLLM expects"
-            )
+    run, parts = _drafted_run(
+        engine, verifier, checkpoint_dir, prompts, k, max_new_tokens, groups, engine_kwargs
+    )
+    _check_lossless(reference, run.tokens)
     theirs = run.acceptance()
     floor = acceptance_floor(ours, theirs) if ours is not None else None
     if floor is not None and ours is not None and run.acceptance_length < floor:
