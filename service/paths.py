@@ -181,22 +181,10 @@ def check_spec_paths(
 ) -> JobSpec:
     """Raise SpecError (param = the dotted field) for any path or option the operator has not allowed;
     return the spec with its server paths normalised (absolute, `file://` stripped, symlinks resolved)."""
-    verifier = spec.verifier.name_or_path
-    param = f"{prefix}verifier.name_or_path"
     updates: dict[str, dict[str, str]] = {}
-    looks_like_path = os.path.isabs(verifier) or verifier.startswith((".", "file:", "~"))
-    if not looks_like_path and _HUB_ID.match(verifier) and not os.path.exists(verifier):
-        if not settings.allow_hub:
-            raise SpecError([(param, f"hub model ids ({verifier!r}) are disabled on this service")])
-    else:
-        resolved = _check_path(
-            verifier, settings.allowed_model_roots, param, "model path", must_be="dir", settings=settings
-        )
-        updates["verifier"] = {"name_or_path": str(resolved)}
-    if spec.verifier.trust_remote_code and not settings.allow_trust_remote_code:
-        raise SpecError(
-            [(f"{prefix}verifier.trust_remote_code", "trust_remote_code is disabled on this service")]
-        )
+    verifier = _check_verifier(spec, settings, prefix)
+    if verifier is not None:
+        updates["verifier"] = {"name_or_path": str(verifier)}
     if spec.model.init_from is not None:
         init = f"{prefix}model.init_from"
         resolved = _check_path(
@@ -238,3 +226,24 @@ def check_spec_paths(
     for section, values in updates.items():
         data.setdefault(section, {}).update(values)
     return JobSpec.model_validate(data)
+
+
+def _check_verifier(spec: JobSpec, settings: Settings, prefix: str) -> Path | None:
+    """The verifier's resolved directory, or None for a hub id (allowed only with `allow_hub`); refuses
+    `trust_remote_code` unless the operator allows it."""
+    verifier = spec.verifier.name_or_path
+    param = f"{prefix}verifier.name_or_path"
+    resolved = None
+    looks_like_path = os.path.isabs(verifier) or verifier.startswith((".", "file:", "~"))
+    if not looks_like_path and _HUB_ID.match(verifier) and not os.path.exists(verifier):
+        if not settings.allow_hub:
+            raise SpecError([(param, f"hub model ids ({verifier!r}) are disabled on this service")])
+    else:
+        resolved = _check_path(
+            verifier, settings.allowed_model_roots, param, "model path", must_be="dir", settings=settings
+        )
+    if spec.verifier.trust_remote_code and not settings.allow_trust_remote_code:
+        raise SpecError(
+            [(f"{prefix}verifier.trust_remote_code", "trust_remote_code is disabled on this service")]
+        )
+    return resolved
