@@ -38,6 +38,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=Path, default=Path("bench-real-model"), help="reused between runs")
     p.add_argument("--drafter", type=Path, help="an exported drafter: skip training")
     p.add_argument(
+        "--drafters",
+        help="exported drafters to compare, METHOD=DIR,...: skip training (e.g. after --methods)",
+    )
+    p.add_argument(
         "--store",
         type=Path,
         help="a store shared with other benches (bench/scaling.py's): reuse its data and cache",
@@ -79,8 +83,10 @@ def main() -> None:
     prompts = mt_bench_prompts(args.eval_prompts)
     timing = prompts[: recipe.eval_prompts if args.timing_prompts is None else args.timing_prompts]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.drafter is not None:
-        drafters = {"given": args.drafter}
+    if args.drafters:
+        drafters = {m: Path(d) for m, _, d in (item.partition("=") for item in args.drafters.split(","))}
+    elif args.drafter is not None:
+        drafters = {methods[0]: args.drafter}
     elif len(methods) == 1:
         drafters = {methods[0]: train(args, recipe, verifier, timing, method=methods[0])[0]}
     else:
