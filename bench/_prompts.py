@@ -38,17 +38,17 @@ def training_data(source: str, seq_len: int, recipe: str = DEFAULT_RECIPE) -> tu
     own: whole conversations up to its token budget), `sharegpt-tokens:T` (the same up to T tokens),
     `regen:N` (N ShareGPT first turns the verifier answers), `sharegpt:N` (N short first turns as
     written), `sharegpt-all:N` (N whole conversations) or `file:PATH`."""
-    from peagle_core.catalogue.datasets import get_dataset
+    from peagle_core.catalogue.datasets import fetch_catalogue_dataset
 
     kind, _, n = source.partition(":")
     limit = int(float(n)) if n and kind != "file" else None
     if kind in ("recipe", "sharegpt-tokens"):
         return sharegpt_by_tokens(limit, seq_len, recipe), False
     if kind == "regen":
-        return get_dataset("sharegpt", first_turn=True, prompts_only=True, limit=limit)[0], True
+        return fetch_catalogue_dataset("sharegpt", first_turn=True, prompts_only=True, limit=limit)[0], True
     if kind == "sharegpt":
         # Short prompts only: a prompt longer than seq_len leaves nothing to train on.
-        full, _ = get_dataset("sharegpt", first_turn=True)
+        full, _ = fetch_catalogue_dataset("sharegpt", first_turn=True)
         out = full.with_name(f"sharegpt-first-turn-short-n{limit}.jsonl")
         # Split on newlines only: the text holds U+2028 and other characters str.splitlines() breaks at.
         lines = [r for r in full.read_text().split("\n") if r.strip()]
@@ -56,7 +56,7 @@ def training_data(source: str, seq_len: int, recipe: str = DEFAULT_RECIPE) -> tu
         out.write_text("\n".join(rows[:limit]) + "\n")
         return out, False
     if kind == "sharegpt-all":
-        return get_dataset("sharegpt", limit=limit)[0], False
+        return fetch_catalogue_dataset("sharegpt", limit=limit)[0], False
     if kind == "file":
         return Path(n), False  # a chat JSONL already answered by the verifier (e.g. a job's regenerated data)
     raise SystemExit(

@@ -22,7 +22,7 @@ import _api_harness as harness
 
 
 def _setup_db(admin_url: str, n_jobs: int, spec: dict[str, Any]) -> tuple[str, str, str, list[str]]:
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import create_key
     from service.db.session import session_scope
 
@@ -35,7 +35,7 @@ def _setup_db(admin_url: str, n_jobs: int, spec: dict[str, Any]) -> tuple[str, s
     for start in range(0, n_jobs, 2000):
         with session_scope(url) as s:
             for _ in range(min(2000, n_jobs - start)):
-                ids.append(create_job(s, project_id, spec, max_attempts=3).id)
+                ids.append(create_job_row(s, project_id, spec, max_attempts=3).id)
     return name, url, key, ids
 
 

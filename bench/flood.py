@@ -31,7 +31,7 @@ CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 def _setup(args: argparse.Namespace, tmp: Path, queue: str) -> tuple[str, str | None, str, str]:
     """The database URL (and the scratch Postgres database's name), and keys of projects A and B; A gets
     a page of jobs to list."""
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import create_key
     from service.db.session import session_scope
 
@@ -40,7 +40,7 @@ def _setup(args: argparse.Namespace, tmp: Path, queue: str) -> tuple[str, str | 
         key_a, row = create_key(s, "victim")
         key_b, _ = create_key(s, "flooder")
         for _ in range(50):
-            create_job(s, row.project_id, {"resources": {"queue": queue}}, max_attempts=3)
+            create_job_row(s, row.project_id, {"resources": {"queue": queue}}, max_attempts=3)
     return url, name, key_a, key_b
 
 

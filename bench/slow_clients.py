@@ -46,7 +46,7 @@ def _setup(args: argparse.Namespace, tmp: Path) -> tuple[str, str | None, str, s
     """The database URL (and the scratch Postgres database's name), the slow caller's key and its queued
     job (whose event stream never ends: no worker serves its queue), and the other tenant's key, whose
     project gets a page of jobs to list."""
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import create_key
     from service.db.session import session_scope
 
@@ -54,9 +54,9 @@ def _setup(args: argparse.Namespace, tmp: Path) -> tuple[str, str | None, str, s
     with session_scope(url) as s:
         key_slow, slow = create_key(s, "slow-caller")
         key_tenant, tenant = create_key(s, "other-tenant")
-        job_id = create_job(s, slow.project_id, {"resources": {"queue": "default"}}, max_attempts=1).id
+        job_id = create_job_row(s, slow.project_id, {"resources": {"queue": "default"}}, max_attempts=1).id
         for _ in range(50):
-            create_job(s, tenant.project_id, {"resources": {"queue": "default"}}, max_attempts=1)
+            create_job_row(s, tenant.project_id, {"resources": {"queue": "default"}}, max_attempts=1)
     return url, name, key_slow, job_id, key_tenant
 
 

@@ -33,7 +33,7 @@ def main() -> None:
     from sqlalchemy import select
 
     from peagle_core.processes import stop_process
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import get_or_create_project
     from service.db.migrate import upgrade
     from service.db.models import Job
@@ -75,7 +75,7 @@ def main() -> None:
         time.sleep(3)  # let the worker start listening: measure an idle worker, not process start-up
         for i in range(args.jobs):
             with sessions() as s:
-                job = create_job(s, project_id, spec, max_attempts=1)
+                job = create_job_row(s, project_id, spec, max_attempts=1)
                 s.commit()
                 job_id, created = job.id, job.created_at
             enqueue_run(redis, job_id, "default", settings.job_timeout_s)
@@ -100,7 +100,7 @@ def main() -> None:
         stop_process(worker, grace_s=30)
 
     with sessions() as s:
-        job = create_job(s, project_id, spec, max_attempts=1)
+        job = create_job_row(s, project_id, spec, max_attempts=1)
         s.commit()
         job_id = job.id
     for step_s in args.steps_s:

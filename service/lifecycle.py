@@ -24,27 +24,27 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def delete_checkpoint(session: Session, store: ArtifactStore, ckpt: Checkpoint) -> None:
+def delete_checkpoint_with_files(session: Session, store: ArtifactStore, ckpt: Checkpoint) -> None:
     """Its files, then its row; RowVanished when a concurrent request deleted the row first.
 
     The project is locked first, as a job's delete locks it: both then take the ledger and checkpoint
     rows in one order (unlocked, the two deadlocked on Postgres: ledger then checkpoint, and back)."""
     lock_project(session, ckpt.project_id)
     store.delete(ckpt.uri)
-    if not checkpoints_crud.delete_checkpoint(session, ckpt.id):
+    if not checkpoints_crud.delete_checkpoint_row(session, ckpt.id):
         raise RowVanished("checkpoint", ckpt.id)
     usage.forget_key(session, ckpt.project_id, ckpt.uri)
 
 
-def delete_dataset(session: Session, store: ArtifactStore, ds: Dataset) -> None:
+def delete_dataset_with_files(session: Session, store: ArtifactStore, ds: Dataset) -> None:
     store.delete(f"datasets/{ds.id}")
     if not ds.uri.startswith(f"datasets/{ds.id}/"):
         store.delete(ds.uri)
-    datasets_crud.delete_dataset(session, ds.id)
+    datasets_crud.delete_dataset_row(session, ds.id)
     usage.forget_key(session, ds.project_id, ds.uri)
 
 
-def delete_job(session: Session, store: ArtifactStore, job: Job) -> bool:
+def delete_job_with_files(session: Session, store: ArtifactStore, job: Job) -> bool:
     """Delete a terminal job's checkpoints, work directory (training checkpoints, tracker files), the
     derived data no other job of its project references (prepared and regenerated data, caches), and its
     rows; False (nothing touched) otherwise, RowVanished when a concurrent request deleted it first.
@@ -61,7 +61,7 @@ def delete_job(session: Session, store: ArtifactStore, job: Job) -> bool:
         store.delete(key)
     store.delete(f"jobs/{job.id}")
     usage.forget_job(session, job.id)
-    if not jobs_crud.delete_job(session, job.id):
+    if not jobs_crud.delete_job_row(session, job.id):
         raise RowVanished("job", job.id)
     return True
 
@@ -73,7 +73,7 @@ def apply_retention(session: Session, store: ArtifactStore, days: float, batch: 
     for job in jobs_crud.finished_before(session, cutoff, limit=batch):
         job_id = job.id
         try:
-            done = delete_job(session, store, job)
+            done = delete_job_with_files(session, store, job)
         except RowVanished:  # a client deleted it meanwhile
             done = False
         if done:

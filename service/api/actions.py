@@ -37,8 +37,7 @@ from service.crud import jobs as jobs_crud
 from service.crud.jobs import jobs_using_dataset
 from service.db.models import Dataset, Job, Project, new_id
 from service.db.vanished import reread
-from service.lifecycle import delete_dataset as delete_dataset_files_and_row
-from service.lifecycle import delete_job as delete_job_files_and_rows
+from service.lifecycle import delete_dataset_with_files, delete_job_with_files
 from service.queue import enqueue_run
 from service.settings import Settings
 
@@ -94,13 +93,13 @@ class CreatedJob:
 
 
 def _job_or_404(db: Session, project_id: str, job_id: str) -> Job:
-    job = jobs_crud.get_job(db, project_id, job_id)
+    job = jobs_crud.get_job_row(db, project_id, job_id)
     if job is None:
         raise not_found("job", job_id)
     return job
 
 
-def create_job(req: CreateJob, *, db: Session, redis: Redis, settings: Settings) -> CreatedJob:
+def create_job_request(req: CreateJob, *, db: Session, redis: Redis, settings: Settings) -> CreatedJob:
     """Admit the spec, honour the idempotency key, count the project's limits, store the job as queued
     (committed) and enqueue it."""
     project = req.project
@@ -113,7 +112,7 @@ def create_job(req: CreateJob, *, db: Session, redis: Redis, settings: Settings)
     if key is not None and (replay := _replay(db, project.id, key, body_hash)) is not None:
         return CreatedJob(replay, replayed=True)
     check_new_job(db, project.id, spec.resources.queue, spec.resources.nodes_max)
-    job = jobs_crud.create_job(
+    job = jobs_crud.create_job_row(
         db, project.id, spec.model_dump(mode="json"), max_attempts=settings.max_attempts, submitted=submitted
     )
     if key is not None:
@@ -166,7 +165,7 @@ def _enqueue(db: Session, redis: Redis, settings: Settings, job: Job) -> None:
     db.commit()
 
 
-def cancel_job(req: JobAction, *, db: Session, redis: Redis) -> Job:
+def cancel_job_request(req: JobAction, *, db: Session, redis: Redis) -> Job:
     """A queued job is cancelled at once, a running one becomes `cancelling`; a finished one is a 409."""
     job = _job_or_404(db, req.project.id, req.job_id)
     # A lost race (the worker claimed or finished it meanwhile) re-reads the status and tries again; a
@@ -201,11 +200,11 @@ def _drop_from_queue(redis: Redis, job_id: str) -> None:
         RQJob.fetch(job_id, connection=redis).cancel()
 
 
-def delete_job(req: JobAction, *, db: Session, store: ArtifactStore) -> None:
+def delete_job_request(req: JobAction, *, db: Session, store: ArtifactStore) -> None:
     """Delete a finished job's files, then its rows (committed); 409 while it is unfinished."""
     job = _job_or_404(db, req.project.id, req.job_id)
     # The deletion re-reads the job under the project lock: deleted meanwhile, it raises RowVanished (404).
-    if not jobstate.is_terminal(job.status) or not delete_job_files_and_rows(db, store, job):
+    if not jobstate.is_terminal(job.status) or not delete_job_with_files(db, store, job):
         raise ApiError(
             409,
             f"job {req.job_id} is {job.status}; cancel it and wait until it ends before deleting it",
@@ -218,7 +217,7 @@ def delete_job(req: JobAction, *, db: Session, store: ArtifactStore) -> None:
 # -- datasets --------------------------------------------------------------------------------------
 
 
-async def upload_dataset(
+async def upload_dataset_request(
     req: UploadDataset, *, db: Session, store: ArtifactStore, settings: Settings
 ) -> Dataset:
     """Reserve room under the project's storage cap, stream the multipart `file` to disk under the upload
@@ -332,7 +331,7 @@ def _store_and_record(
     return row
 
 
-def delete_dataset(req: DeleteDataset, *, db: Session, store: ArtifactStore) -> None:
+def delete_dataset_request(req: DeleteDataset, *, db: Session, store: ArtifactStore) -> None:
     """Delete a dataset's file, then its row (committed); 409 while an unfinished job will read it."""
     # Locked before the in-use check: a job create naming it waits, then finds it gone (or we see its job).
     row = datasets_crud.lock_dataset(db, req.project.id, req.dataset_id)
@@ -345,5 +344,5 @@ def delete_dataset(req: DeleteDataset, *, db: Session, store: ArtifactStore) -> 
             code="dataset_in_use",
             param="dataset_id",
         )
-    delete_dataset_files_and_row(db, store, row)
+    delete_dataset_with_files(db, store, row)
     db.commit()

@@ -14,7 +14,7 @@ def dataset_for_spec(db: Session, project_id: str, spec: JobSpec, *, lock: bool 
     """The project's dataset `spec.dataset.id`; 422 when it is unknown, or holds prompts-only conversations
     (no assistant turn) while the spec does not regenerate their answers. With `lock`, the row stays locked
     until the commit, so a concurrent DELETE waits and then sees the job (409)."""
-    read = datasets_crud.lock_dataset if lock else datasets_crud.get_dataset
+    read = datasets_crud.lock_dataset if lock else datasets_crud.get_dataset_row
     ds = read(db, project_id, spec.dataset.id or "")
     if ds is None:
         raise ApiError(

@@ -52,7 +52,7 @@ def get_checkpoint(session: Session, project_id: str, checkpoint_id: str) -> Che
     )
 
 
-def delete_checkpoint(session: Session, checkpoint_id: str) -> bool:
+def delete_checkpoint_row(session: Session, checkpoint_id: str) -> bool:
     """Delete the row (the caller has removed its files and commits); False when it was gone already."""
     result = session.execute(delete(Checkpoint).where(Checkpoint.id == checkpoint_id))
     return result.rowcount == 1

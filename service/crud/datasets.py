@@ -42,7 +42,7 @@ def add_dataset(
     return row
 
 
-def get_dataset(session: Session, project_id: str, dataset_id: str) -> Dataset | None:
+def get_dataset_row(session: Session, project_id: str, dataset_id: str) -> Dataset | None:
     return session.scalar(select(Dataset).where(Dataset.id == dataset_id, Dataset.project_id == project_id))
 
 
@@ -73,12 +73,12 @@ def lock_dataset(session: Session, project_id: str, dataset_id: str) -> Dataset 
     )
 
 
-def delete_dataset(session: Session, dataset_id: str) -> None:
+def delete_dataset_row(session: Session, dataset_id: str) -> None:
     """Delete the row (the caller has removed its file and commits)."""
     session.execute(delete(Dataset).where(Dataset.id == dataset_id))
 
 
-def list_datasets(
+def list_dataset_rows(
     session: Session, project_id: str, *, after: str | None, limit: int
 ) -> tuple[list[Dataset], bool] | None:
     return newest_first_page(

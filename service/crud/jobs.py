@@ -21,7 +21,7 @@ ACTIVE_STATUSES = ("running", "cancelling")  # a worker holds the job
 UNFINISHED_STATUSES = ("queued", *ACTIVE_STATUSES)
 
 
-def create_job(
+def create_job_row(
     session: Session,
     project_id: str,
     spec: dict[str, Any],
@@ -113,7 +113,7 @@ def set_resume_point(session: Session, job_id: str, attempt: int, uri: str, step
     )
 
 
-def get_job(session: Session, project_id: str, job_id: str) -> Job | None:
+def get_job_row(session: Session, project_id: str, job_id: str) -> Job | None:
     """The job if it exists in this project (another project's job is indistinguishable from none)."""
     return session.scalar(select(Job).where(Job.id == job_id, Job.project_id == project_id))
 
@@ -134,7 +134,7 @@ def unfinished_jobs(session: Session) -> list[Job]:
     return list(session.scalars(query))
 
 
-def delete_job(session: Session, job_id: str) -> bool:
+def delete_job_row(session: Session, job_id: str) -> bool:
     """Delete a finished job's row; its events, metrics, checkpoint and idempotency rows go with it (ON
     DELETE CASCADE). Only a terminal job is deleted, so a worker can never write to a vanished row. The
     caller has removed its files and commits; False when the job was not terminal (or is gone)."""
@@ -167,7 +167,7 @@ def jobs_using_dataset(session: Session, project_id: str, dataset_id: str) -> li
     ]
 
 
-def list_jobs(
+def list_job_rows(
     session: Session, project_id: str, *, status: str | None, after: str | None, limit: int
 ) -> tuple[list[Job], bool] | None:
     query = select(Job).where(Job.project_id == project_id)

@@ -20,7 +20,7 @@ TERMINAL = ("succeeded", "failed")
 KEEP = timedelta(days=1)
 
 
-def create_plan(session: Session, project_id: str, key_hash: str, queue: str, timeout_s: float) -> Plan:
+def create_plan_row(session: Session, project_id: str, key_hash: str, queue: str, timeout_s: float) -> Plan:
     """Add a queued plan whose answer is due within `timeout_s` (the caller commits)."""
     now = utcnow()
     plan = Plan(
@@ -36,7 +36,7 @@ def create_plan(session: Session, project_id: str, key_hash: str, queue: str, ti
     return plan
 
 
-def get_plan(session: Session, project_id: str, plan_id: str) -> Plan | None:
+def get_plan_row(session: Session, project_id: str, plan_id: str) -> Plan | None:
     return session.scalar(select(Plan).where(Plan.id == plan_id, Plan.project_id == project_id))
 
 
@@ -60,7 +60,9 @@ def set_running(plan: Plan) -> None:
     plan.status = "running"
 
 
-def finish(plan: Plan, *, result: dict[str, Any] | None = None, error: dict[str, Any] | None = None) -> None:
+def finish_plan(
+    plan: Plan, *, result: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+) -> None:
     """Record the answer: `result` (succeeded) or `error` `{code, message, param}` (failed); the caller
     commits."""
     plan.status = "failed" if error is not None else "succeeded"

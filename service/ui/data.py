@@ -49,7 +49,7 @@ class MetricPage(schemas.MetricList):
 
 
 @router.get("/data/jobs/{job_id}/metrics", response_model=MetricPage)
-def metrics(
+def job_metric_series(
     job_id: str,
     db: DB,
     project: UiProject,
@@ -58,7 +58,7 @@ def metrics(
 ) -> MetricPage:
     """The API's metric series plus the last row id even on the last page, so a live chart asks only
     for rows it has not drawn."""
-    if jobs_crud.get_job(db, project.id, job_id) is None:
+    if jobs_crud.get_job_row(db, project.id, job_id) is None:
         raise not_found("job", job_id)
     rows, has_more = metrics_crud.metrics_after(db, job_id, after, limit)
     return MetricPage.of(rows, has_more, cursor=rows[-1].id if rows else after)
@@ -83,7 +83,7 @@ def events(
 
 
 @router.post("/data/datasets", response_model=schemas.Dataset, status_code=201, dependencies=[CsrfHeader])
-async def upload_dataset(
+async def upload_dataset_from_page(
     request: Request,
     db: DB,
     store: Store,
@@ -92,7 +92,7 @@ async def upload_dataset(
     format: Annotated[actions.DataFormat, Query()] = "auto",
 ) -> schemas.Dataset:
     upload = actions.UploadDataset(project=project, request=request, format=format)
-    row = await actions.upload_dataset(upload, db=db, store=store, settings=settings)
+    row = await actions.upload_dataset_request(upload, db=db, store=store, settings=settings)
     return schemas.Dataset.model_validate(row)
 
 

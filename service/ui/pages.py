@@ -139,7 +139,7 @@ class JobListing:
 def job_listing(project: UiProject, db: DB, status: StatusFilter = None, after: Cursor = None) -> JobListing:
     """The page of jobs the jobs page and its refreshed fragment show (a dependency of both)."""
     status = status if status in views.STATUS_SYMBOLS else None
-    page = jobs_crud.list_jobs(db, project.id, status=status, after=after, limit=PAGE_SIZE)
+    page = jobs_crud.list_job_rows(db, project.id, status=status, after=after, limit=PAGE_SIZE)
     rows, has_more = page if page is not None else ([], False)
     ckpts = checkpoints_crud.list_for_jobs(db, [j.id for j in rows])
     next_cursor = rows[-1].id if has_more and rows else None
@@ -171,7 +171,7 @@ def jobs_fragment(request: Request, session: Session, project: UiProject, listin
 
 
 def _panel_context(db: DB, job_id: str, project_id: str) -> dict | None:
-    job = jobs_crud.get_job(db, project_id, job_id)
+    job = jobs_crud.get_job_row(db, project_id, job_id)
     if job is None:
         return None
     events, _ = events_crud.events_after(db, job.id, None, 1000)
@@ -193,8 +193,8 @@ def new_job_form(
     dataset: Annotated[str | None, Query(max_length=64)] = None,
 ):
     """The editor, starting from a template on `?dataset=` (one of the project's), else the newest."""
-    chosen = datasets_crud.get_dataset(db, project.id, dataset) if dataset else None
-    page = datasets_crud.list_datasets(db, project.id, after=None, limit=1)
+    chosen = datasets_crud.get_dataset_row(db, project.id, dataset) if dataset else None
+    page = datasets_crud.list_dataset_rows(db, project.id, after=None, limit=1)
     newest = chosen.id if chosen else (page[0][0].id if page and page[0] else None)
     return _editor_page(request, session, project, editor.template(newest), [], None, "")
 
@@ -219,14 +219,14 @@ def new_job(
             # The API's own create: dataset ownership, tracker checks, limits, idempotency (a
             # double-clicked submit creates one job), enqueue.
             create = actions.CreateJob(project=project, spec=spec, idempotency_key=idempotency_key)
-            created = actions.create_job(create, db=db, redis=redis, settings=settings)
+            created = actions.create_job_request(create, db=db, redis=redis, settings=settings)
         except ApiError as exc:
             db.rollback()  # the create's locks (its dataset row) end here, not after the page renders
             errors = editor.errors_at_lines(spec_yaml, [(exc.param or "", exc.message)])
         else:
             return RedirectResponse(f"/ui/jobs/{created.job.id}", status_code=303)
     missing = spec is not None and spec.dataset.id is not None and not errors
-    if missing and datasets_crud.get_dataset(db, project.id, spec.dataset.id) is None:
+    if missing and datasets_crud.get_dataset_row(db, project.id, spec.dataset.id) is None:
         errors = editor.errors_at_lines(
             spec_yaml, [("dataset.id", f"no dataset with id {spec.dataset.id!r}")]
         )
@@ -295,7 +295,7 @@ def cancel(
 ) -> Response:
     check_csrf(session, csrf_token)
     try:
-        actions.cancel_job(actions.JobAction(project=project, job_id=job_id), db=db, redis=redis)
+        actions.cancel_job_request(actions.JobAction(project=project, job_id=job_id), db=db, redis=redis)
     except ApiError as exc:
         if exc.status == 404:
             raise
@@ -304,12 +304,12 @@ def cancel(
 
 
 @router.post("/jobs/{job_id}/delete")
-def delete_job(
+def delete_job_from_page(
     session: Session, project: UiProject, db: DB, store: Store, job_id: str, csrf_token: CsrfField
 ) -> Response:
     """The API's delete: a finished job's files, then its rows; an unfinished one answers the API's 409."""
     check_csrf(session, csrf_token)
-    actions.delete_job(actions.JobAction(project=project, job_id=job_id), db=db, store=store)
+    actions.delete_job_request(actions.JobAction(project=project, job_id=job_id), db=db, store=store)
     return RedirectResponse("/ui/", status_code=303)
 
 
@@ -326,11 +326,11 @@ def compare_page(
 ):
     chosen = []
     for job_id in dict.fromkeys(j for j in job if len(j) <= 64):
-        row = jobs_crud.get_job(db, project.id, job_id)
+        row = jobs_crud.get_job_row(db, project.id, job_id)
         if row is None:
             return not_found_page(request, session, project, f"job {job_id}")
         chosen.append(row)
-    page = jobs_crud.list_jobs(db, project.id, status=None, after=None, limit=PAGE_SIZE)
+    page = jobs_crud.list_job_rows(db, project.id, status=None, after=None, limit=PAGE_SIZE)
     recent = page[0] if page else []
     page_data = {"jobs": [{"id": j.id, "name": j.name or j.id} for j in chosen]}
     return views.render(
@@ -352,7 +352,7 @@ def compare_page(
 
 @router.get("/datasets")
 def datasets_page(request: Request, session: Session, project: UiProject, db: DB, after: Cursor = None):
-    page = datasets_crud.list_datasets(db, project.id, after=after, limit=PAGE_SIZE)
+    page = datasets_crud.list_dataset_rows(db, project.id, after=after, limit=PAGE_SIZE)
     rows, has_more = page if page is not None else ([], False)
     return views.render(
         request,
@@ -366,10 +366,12 @@ def datasets_page(request: Request, session: Session, project: UiProject, db: DB
 
 
 @router.post("/datasets/{dataset_id}/delete")
-def delete_dataset(
+def delete_dataset_from_page(
     session: Session, project: UiProject, db: DB, store: Store, dataset_id: str, csrf_token: CsrfField
 ) -> Response:
     """The API's delete: a dataset an unfinished job will read answers the API's 409."""
     check_csrf(session, csrf_token)
-    actions.delete_dataset(actions.DeleteDataset(project=project, dataset_id=dataset_id), db=db, store=store)
+    actions.delete_dataset_request(
+        actions.DeleteDataset(project=project, dataset_id=dataset_id), db=db, store=store
+    )
     return RedirectResponse("/ui/datasets", status_code=303)

@@ -21,7 +21,7 @@ def running_job(
 ) -> Iterator[tuple[PeagleClient, str, Any]]:
     """(a client of the served API, a job of its project that worker attempt 1 runs, that job's reporter)."""
     from service.crud import jobstate
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import project_for_key
     from service.db.session import session_factory
     from worker.attempt import AttemptContext
@@ -33,7 +33,7 @@ def running_job(
         project = project_for_key(session, api_key)
         assert project is not None
         spec = {"verifier": {"name_or_path": "/nowhere"}, "dataset": {"path": "/nowhere.jsonl"}}
-        job_id = create_job(session, project.id, spec, max_attempts=1).id
+        job_id = create_job_row(session, project.id, spec, max_attempts=1).id
         session.commit()
         assert jobstate.claim(session, job_id, "w1")
     writer = ProgressWriter(AttemptContext(sessions, job_id, 1))  # not started: flush() writes right here

@@ -129,14 +129,14 @@ def _status(data: bytes) -> int | None:
 
 def _queued_job(db_url: str, api_key: str) -> str:
     """A job of `api_key`'s project that stays queued (no worker serves this test): its stream never ends."""
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import project_for_key
     from service.db.session import session_scope
 
     with session_scope(db_url) as s:
         project = project_for_key(s, api_key)
         assert project is not None
-        return create_job(s, project.id, {"resources": {"queue": "default"}}, max_attempts=1).id
+        return create_job_row(s, project.id, {"resources": {"queue": "default"}}, max_attempts=1).id
 
 
 def _stream_request(job_id: str, key: str) -> bytes:

@@ -87,11 +87,11 @@ class Stack:
         }
 
     def submit(self, spec: dict[str, Any], *, enqueue: bool = True) -> str:
-        from service.crud.jobs import create_job
+        from service.crud.jobs import create_job_row
         from service.queue import enqueue_run
 
         with self.sessions() as s:
-            job = create_job(s, self.project_id, spec, max_attempts=self.settings.max_attempts)
+            job = create_job_row(s, self.project_id, spec, max_attempts=self.settings.max_attempts)
             s.commit()
             job_id = job.id
         if enqueue:

@@ -351,7 +351,7 @@ def test_offline_and_hybrid_jobs_fill_the_cache(
 
     from service.crud.usage import storage_used
     from service.db.models import Job, StorageUsage
-    from service.lifecycle import delete_job
+    from service.lifecycle import delete_job_with_files
 
     with stack.sessions() as s:
         rows = s.scalars(select(StorageUsage).where(StorageUsage.project_id == stack.project_id)).all()
@@ -363,7 +363,7 @@ def test_offline_and_hybrid_jobs_fill_the_cache(
     store = ArtifactStore(stack.settings.artifact_root)
     assert used >= sum(store.size_under(key) for key in set(mine.values()))
     with stack.sessions() as s:
-        assert delete_job(s, store, s.get(Job, offline))
+        assert delete_job_with_files(s, store, s.get(Job, offline))
         s.commit()
         assert storage_used(s, stack.project_id) < used
     assert not store.exists(mine["cache"]) and not store.exists(mine["checkpoint"])

@@ -41,14 +41,14 @@ class RecordingSessions:
 
 @pytest.fixture
 def job(settings: Any) -> Iterator[tuple[Any, str]]:
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import get_or_create_project
 
     sessions = session_factory(settings.database_url)
     with sessions() as s:
         project = get_or_create_project(s, "progress-tests")
         spec = {"verifier": {"name_or_path": "/nowhere"}, "dataset": {"path": "/nowhere.jsonl"}}
-        job_id = create_job(s, project.id, spec, max_attempts=1).id
+        job_id = create_job_row(s, project.id, spec, max_attempts=1).id
         s.commit()
         assert jobstate.claim(s, job_id, "w1")  # attempt 1 holds the job: its writes are accepted
     yield sessions, job_id

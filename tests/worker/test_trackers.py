@@ -154,13 +154,13 @@ def _claimed_job(sessions, report_to: list[str]) -> tuple[str, str, Any]:
     """A job row claimed as attempt 1 (no worker runs it: the test drives its trackers in this process)."""
     from peagle_core.spec import JobSpec
     from service.crud import jobstate
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import get_or_create_project
 
     spec = toy_spec(Path("/models/v"), Path("/data/d.jsonl"), tracking={"report_to": report_to})
     with sessions() as s:
         project_id = get_or_create_project(s, f"trackers-{uuid.uuid4().hex[:8]}").id
-        job_id = create_job(s, project_id, spec, max_attempts=3).id
+        job_id = create_job_row(s, project_id, spec, max_attempts=3).id
         s.commit()
         assert jobstate.claim(s, job_id, "test-worker")
         s.commit()

@@ -19,7 +19,7 @@ from service.api.errors import ApiError, not_found
 from service.api.tarstream import tar_plan, tar_stream
 from service.crud.checkpoints import get_checkpoint
 from service.db.models import Checkpoint
-from service.lifecycle import delete_checkpoint as delete_checkpoint_files_and_row
+from service.lifecycle import delete_checkpoint_with_files
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], route_class=BodyRoute)
 
@@ -47,7 +47,7 @@ def checkpoint(checkpoint_id: str, db: DB, project: CurrentProject) -> schemas.C
     summary="Delete a checkpoint (its files, then its row)",
 )
 def delete_checkpoint(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
-    delete_checkpoint_files_and_row(db, store, _checkpoint_or_404(db, project.id, checkpoint_id))
+    delete_checkpoint_with_files(db, store, _checkpoint_or_404(db, project.id, checkpoint_id))
     db.commit()
     return schemas.Deleted(id=checkpoint_id, object="checkpoint")
 

@@ -59,7 +59,7 @@ async def upload_dataset(
     format: Annotated[actions.DataFormat, Query()] = "auto",
 ) -> schemas.Dataset:
     upload = actions.UploadDataset(project=project, request=request, format=format)
-    row = await actions.upload_dataset(upload, db=db, store=store, settings=settings)
+    row = await actions.upload_dataset_request(upload, db=db, store=store, settings=settings)
     return schemas.Dataset.model_validate(row)
 
 
@@ -70,7 +70,7 @@ def list_datasets(
     after: Annotated[str | None, Query(max_length=64, description="Cursor: a dataset id.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> schemas.DatasetList:
-    page = crud.list_datasets(db, project.id, after=after, limit=limit)
+    page = crud.list_dataset_rows(db, project.id, after=after, limit=limit)
     if page is None:
         raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
     rows, has_more = page
@@ -84,7 +84,7 @@ def list_datasets(
     summary="Inspect a dataset",
 )
 def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dataset:
-    row = crud.get_dataset(db, project.id, dataset_id)
+    row = crud.get_dataset_row(db, project.id, dataset_id)
     if row is None:
         raise not_found("dataset", dataset_id)
     return schemas.Dataset.model_validate(row)
@@ -98,5 +98,7 @@ def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dat
     description="A dataset that a queued or running job will read answers 409 naming the job.",
 )
 def delete_dataset(dataset_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
-    actions.delete_dataset(actions.DeleteDataset(project=project, dataset_id=dataset_id), db=db, store=store)
+    actions.delete_dataset_request(
+        actions.DeleteDataset(project=project, dataset_id=dataset_id), db=db, store=store
+    )
     return schemas.Deleted(id=dataset_id, object="dataset")

@@ -36,7 +36,7 @@ MAX_ROW_ID = (1 << 63) - 1  # event and metric ids are BIGINTs: a larger cursor 
 
 
 def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
-    job = jobs_crud.get_job(db, project_id, job_id)
+    job = jobs_crud.get_job_row(db, project_id, job_id)
     if job is None:
         raise not_found("job", job_id)
     return job
@@ -74,7 +74,7 @@ def create_job(
     ] = None,
 ) -> schemas.Job:
     request = actions.CreateJob(project=project, spec=body.spec, idempotency_key=idempotency_key)
-    created = actions.create_job(request, db=db, redis=redis, settings=settings)
+    created = actions.create_job_request(request, db=db, redis=redis, settings=settings)
     if created.replayed:
         response.headers["Idempotent-Replayed"] = "true"
         response.status_code = 200
@@ -116,7 +116,7 @@ def list_jobs(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> schemas.JobList:
-    page = jobs_crud.list_jobs(db, project.id, status=status, after=after, limit=limit)
+    page = jobs_crud.list_job_rows(db, project.id, status=status, after=after, limit=limit)
     if page is None:
         raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
     rows, has_more = _within_spec_budget(*page, PAGE_SPEC_CAPS * settings.max_spec_bytes)
@@ -147,7 +147,7 @@ def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
     "a checkpoint and stops (hard stop after the grace period). A finished job answers 409.",
 )
 def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -> schemas.Job:
-    job = actions.cancel_job(actions.JobAction(project=project, job_id=job_id), db=db, redis=redis)
+    job = actions.cancel_job_request(actions.JobAction(project=project, job_id=job_id), db=db, redis=redis)
     return schemas.Job.model_validate(job)
 
 
@@ -160,7 +160,7 @@ def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -
     "checkpoints and work files are removed from the artifact store first, then its rows.",
 )
 def delete_job(job_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
-    actions.delete_job(actions.JobAction(project=project, job_id=job_id), db=db, store=store)
+    actions.delete_job_request(actions.JobAction(project=project, job_id=job_id), db=db, store=store)
     return schemas.Deleted(id=job_id, object="job")
 
 

@@ -75,7 +75,7 @@ def create_plan(
         with contextlib.suppress(RowVanished):  # purged meanwhile: it counts against nothing either
             _refresh(db, redis, old)
     check_new_plan(db, project.id, key_hash, queue, settings)
-    plan = plans_crud.create_plan(db, project.id, key_hash, queue, settings.plan_timeout_s)
+    plan = plans_crud.create_plan_row(db, project.id, key_hash, queue, settings.plan_timeout_s)
     db.commit()
     try:
         enqueue_plan(
@@ -88,7 +88,7 @@ def create_plan(
             recalibrate=recalibrate,
         )
     except RedisError as exc:
-        plans_crud.finish(plan, error=_error(503, "queue_unavailable", "the job queue is unavailable"))
+        plans_crud.finish_plan(plan, error=_error(503, "queue_unavailable", "the job queue is unavailable"))
         db.commit()
         raise ApiError(
             503, f"the job queue is unavailable ({exc.__class__.__name__})", code="queue_unavailable"
@@ -117,7 +117,7 @@ async def get_plan(
     project_id = project.id
 
     def read() -> Plan | None:
-        plan = plans_crud.get_plan(db, project_id, plan_id)
+        plan = plans_crud.get_plan_row(db, project_id, plan_id)
         if plan is not None:
             plan = _refresh(db, redis, plan)
         db.commit()  # end the read (objects stay loaded): a long poll holds no pooled connection
@@ -145,16 +145,16 @@ def _refresh(db: Session, redis: RedisConn, plan: Plan) -> Plan:
         now = utcnow()
         if state == "succeeded":
             if isinstance(value, dict) and isinstance(value.get("error"), dict):
-                plans_crud.finish(plan, error=_worker_error(value["error"]))
+                plans_crud.finish_plan(plan, error=_worker_error(value["error"]))
             else:
-                plans_crud.finish(plan, result=value if isinstance(value, dict) else {"value": value})
+                plans_crud.finish_plan(plan, result=value if isinstance(value, dict) else {"value": value})
         elif state == "failed":
             log.warning("plan %s failed on the worker", plan.id)
-            plans_crud.finish(plan, error=_error(502, "plan_failed", "the worker failed while planning"))
+            plans_crud.finish_plan(plan, error=_error(502, "plan_failed", "the worker failed while planning"))
         elif now >= plan.deadline_at or (state == "missing" and now >= plan.created_at + _ENQUEUE_GRACE):
             withdraw_plan(redis, plan.queue, plan.id)
             timeout = (plan.deadline_at - plan.created_at).total_seconds()
-            plans_crud.finish(
+            plans_crud.finish_plan(
                 plan,
                 error=_error(
                     503,

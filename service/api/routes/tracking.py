@@ -12,7 +12,7 @@ from service.api.body_route import BodyRoute
 from service.api.deps import DB, CurrentProject, Store
 from service.api.errors import ApiError, not_found
 from service.api.tarstream import tar_plan, tar_stream
-from service.crud.jobs import get_job
+from service.crud.jobs import get_job_row
 from service.tracking import tensorboard_key
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=BodyRoute)
@@ -30,7 +30,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=BodyRoute)
     "archive holds the events logged so far.",
 )
 def tensorboard_archive(job_id: str, db: DB, store: Store, project: CurrentProject) -> StreamingResponse:
-    job = get_job(db, project.id, job_id)
+    job = get_job_row(db, project.id, job_id)
     if job is None:
         raise not_found("job", job_id)
     key = tensorboard_key(job.id)

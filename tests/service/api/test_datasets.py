@@ -153,10 +153,10 @@ def test_dataset_delete_and_job_create_are_serialised(client, auth, spec, settin
     the other sees its commit, so no queued job is ever left on a deleted dataset (both databases)."""
     from service.artifacts import ArtifactStore
     from service.crud import datasets as datasets_crud
-    from service.crud.jobs import create_job as crud_create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import project_for_key
     from service.db.session import get_engine, session_factory
-    from service.lifecycle import delete_dataset
+    from service.lifecycle import delete_dataset_with_files
 
     sessions = session_factory(db_url)
     with sessions() as s:
@@ -172,7 +172,7 @@ def test_dataset_delete_and_job_create_are_serialised(client, auth, spec, settin
     body = {**spec, "dataset": {"id": ds, "seq_len": 64}}
     with sessions() as create, _Waiter(get_engine(db_url)) as waiter:
         assert datasets_crud.lock_dataset(create, project_id, ds) is not None
-        crud_create_job(create, project_id, body, max_attempts=3)
+        create_job_row(create, project_id, body, max_attempts=3)
         deleting = _in_thread(lambda: client.delete(f"/v1/datasets/{ds}", headers=auth))
         assert waiter.seen.wait(60), "the DELETE never reached its lock"
         create.commit()
@@ -184,7 +184,7 @@ def test_dataset_delete_and_job_create_are_serialised(client, auth, spec, settin
     body = {**spec, "dataset": {"id": ds, "seq_len": 64}}
     with sessions() as deleter, _Waiter(get_engine(db_url)) as waiter:
         row = datasets_crud.lock_dataset(deleter, project_id, ds)
-        delete_dataset(deleter, ArtifactStore(settings.artifact_root), row)
+        delete_dataset_with_files(deleter, ArtifactStore(settings.artifact_root), row)
         creating = _in_thread(lambda: client.post("/v1/jobs", json={"spec": body}, headers=auth))
         assert waiter.seen.wait(60), "the create never reached its lock"
         deleter.commit()

@@ -82,7 +82,7 @@ def test_delete_dataset_job_and_checkpoint(
 
 def test_retention_is_applied_by_the_reconciler(make_settings, isolated_db_url, redis_conn, tmp_path) -> None:
     from service.crud import jobstate
-    from service.crud.jobs import create_job as crud_create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import create_key
     from worker.reconcile import reconcile_once
 
@@ -90,7 +90,7 @@ def test_retention_is_applied_by_the_reconciler(make_settings, isolated_db_url, 
     sessions = session_factory(isolated_db_url)
     with sessions() as s:
         _, key = create_key(s, "retention")
-        ids = [crud_create_job(s, key.project_id, {"name": n}, max_attempts=1).id for n in ("old", "new")]
+        ids = [create_job_row(s, key.project_id, {"name": n}, max_attempts=1).id for n in ("old", "new")]
         s.commit()
         for job_id in ids:
             assert jobstate.transition(s, job_id, "cancelled", expect=["queued"], event="cancelled")

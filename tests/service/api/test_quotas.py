@@ -114,13 +114,13 @@ def test_an_event_stream_gives_the_request_session_back(app, db_url) -> None:
     from starlette.requests import Request
 
     from service.api.routes.jobs import EventsQuery, events_answer
-    from service.crud.jobs import create_job
+    from service.crud.jobs import create_job_row
     from service.crud.projects import create_key
     from service.db.models import Project
 
     with app.state.sessions() as db:
         _, key = create_key(db, "one-stream")
-        job_id = create_job(db, key.project_id, {}, max_attempts=1).id
+        job_id = create_job_row(db, key.project_id, {}, max_attempts=1).id
         db.commit()
         request = Request(
             {"type": "http", "headers": [(b"accept", b"text/event-stream")], "app": app, "state": {}}

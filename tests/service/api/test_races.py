@@ -98,7 +98,7 @@ def test_a_job_deleted_between_read_and_write_answers_404(
     job = create_job(client, auth, spec)["id"]
     if cancelled_first:
         assert client.post(f"/v1/jobs/{job}/cancel", headers=auth).status_code == 200
-    real_get = jobs_crud.get_job
+    real_get = jobs_crud.get_job_row
 
     def get_then_vanish(db: Any, project_id: str, job_id: str) -> Any:
         row = real_get(db, project_id, job_id)
@@ -107,7 +107,7 @@ def test_a_job_deleted_between_read_and_write_answers_404(
             other.commit()
         return row
 
-    monkeypatch.setattr(jobs_crud, "get_job", get_then_vanish)  # the actions read through it
+    monkeypatch.setattr(jobs_crud, "get_job_row", get_then_vanish)  # the actions read through it
     if call == "cancel":
         r = client.post(f"/v1/jobs/{job}/cancel", headers=auth)
     else:
@@ -193,7 +193,7 @@ def test_a_plan_purged_under_its_refresh_answers_404(
         r = c.post("/v1/jobs/plan", json={"spec": spec}, headers=auth)
         assert r.status_code == 202, r.text
         plan_id = r.json()["id"]
-        real_get = plans_crud.get_plan
+        real_get = plans_crud.get_plan_row
 
         def get_then_purge(db: Any, project_id: str, ident: str) -> Any:
             row = real_get(db, project_id, ident)
@@ -202,7 +202,7 @@ def test_a_plan_purged_under_its_refresh_answers_404(
                 other.commit()
             return row
 
-        monkeypatch.setattr(plans_crud, "get_plan", get_then_purge)
+        monkeypatch.setattr(plans_crud, "get_plan_row", get_then_purge)
         r = c.get(f"/v1/plans/{plan_id}", headers=auth)
         assert r.status_code == 404 and r.json()["error"]["code"] == "plan_not_found", r.text
 

@@ -15,7 +15,7 @@ import pytest
 
 from service.artifacts import ArtifactStore
 from service.crud.checkpoints import add_checkpoint
-from service.crud.jobs import create_job
+from service.crud.jobs import create_job_row
 from service.crud.projects import create_key
 from service.db.session import session_scope
 from service.settings import Settings
@@ -112,7 +112,7 @@ def downloads(
     with session_scope(db_url) as s:
         key, row = create_key(s, f"ranges-{tmp.name}")
         # A job row only: nothing is enqueued, so the shared Redis database stays empty.
-        job = create_job(s, row.project_id, {}, max_attempts=1)
+        job = create_job_row(s, row.project_id, {}, max_attempts=1)
         ckpt_id = f"ckpt_{job.id[4:]}"
         files = store.publish_dir(src, f"checkpoints/{ckpt_id}")
         add_checkpoint(

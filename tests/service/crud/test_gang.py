@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from service.crud import gang, jobstate
-from service.crud.jobs import create_job
+from service.crud.jobs import create_job_row
 from service.crud.projects import get_or_create_project
 from service.db.models import Job
 from service.db.session import session_factory
@@ -20,7 +20,7 @@ def running_job(db_url: str) -> str:
     """A job claimed once (attempt 1)."""
     with session_factory(db_url)() as s:
         project = get_or_create_project(s, "gang-tests")
-        job = create_job(s, project.id, {"resources": {"queue": "default", "nodes": 2}}, max_attempts=3)
+        job = create_job_row(s, project.id, {"resources": {"queue": "default", "nodes": 2}}, max_attempts=3)
         s.commit()
         assert jobstate.claim(s, job.id, "leader")
         return job.id

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from service.crud import jobstate
-from service.crud.jobs import create_job
+from service.crud.jobs import create_job_row
 from service.crud.projects import get_or_create_project
 from service.db.models import Job, JobEvent
 from service.db.session import session_factory
@@ -18,7 +18,7 @@ from service.db.session import session_factory
 def job_id(db_url: str) -> str:
     with session_factory(db_url)() as s:
         project = get_or_create_project(s, "jobstate-tests")
-        job = create_job(s, project.id, {"resources": {"queue": "default"}}, max_attempts=3)
+        job = create_job_row(s, project.id, {"resources": {"queue": "default"}}, max_attempts=3)
         s.commit()
         return job.id
 
