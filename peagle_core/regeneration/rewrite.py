@@ -286,10 +286,7 @@ def rewrite_dataset(
         return RegenReport(**{**prov["counts"], "fingerprint": fp, "reused": True, "status": "completed"})
 
     source_format, rows = _read_chat_rows(data_path, params)
-    work = _WorkLog(work_log_path(out), fp)
-    work.load()
-    report = RegenReport(fingerprint=fp, total=len(rows), resumed_from=len(work.records))
-    _fold_counts(report, work.records.values())
+    work, report = _resume(out, fp, len(rows))
     todo = [(i, row) for i, row in enumerate(rows) if i not in work.records]
     if todo:
         tokenizer, generator, close = open_generator(
@@ -305,26 +302,52 @@ def rewrite_dataset(
             dtype=params.dtype,
         )
         try:
-            for s in range(0, len(todo), batch_size):
-                t0 = time.perf_counter()
-                result = rewrite_conversations(
-                    todo[s : s + batch_size], tokenizer, generator, params, should_stop
-                )
-                if result is None:
+            batches = (todo[s : s + batch_size] for s in range(0, len(todo), batch_size))
+            for batch in batches:
+                if not _rewrite_batch(
+                    batch, tokenizer, generator, params, work, report, source_format, should_stop
+                ):
                     report.status = "stopped"
                     return report
-                convs, generated = result
-                records = [_record(c, source_format) for c in convs]
-                work.append(records)
-                report.generated_tokens += generated
-                report.seconds += time.perf_counter() - t0
-                _fold_counts(report, records)
                 if on_progress is not None:
                     on_progress(report)
         finally:
             close()
     _finish(out, work, report, source_format, source_sha, verifier, verifier_fp, params)
     return report
+
+
+def _resume(out: Path, fp: str, total: int) -> tuple[_WorkLog, RegenReport]:
+    """`out`'s work log (what an interrupted run of `fp` finished) and a report that counts it."""
+    work = _WorkLog(work_log_path(out), fp)
+    work.load()
+    report = RegenReport(fingerprint=fp, total=total, resumed_from=len(work.records))
+    _fold_counts(report, work.records.values())
+    return work, report
+
+
+def _rewrite_batch(
+    batch: list[tuple[int, Row]],
+    tokenizer: Any,
+    generator: Generator,
+    params: RegenParams,
+    work: _WorkLog,
+    report: RegenReport,
+    source_format: str,
+    should_stop: Callable[[], bool] | None,
+) -> bool:
+    """Rewrite one batch, log its records and count them in `report`; False when `should_stop` cut it short."""
+    t0 = time.perf_counter()
+    result = rewrite_conversations(batch, tokenizer, generator, params, should_stop)
+    if result is None:
+        return False
+    convs, generated = result
+    records = [_record(c, source_format) for c in convs]
+    work.append(records)
+    report.generated_tokens += generated
+    report.seconds += time.perf_counter() - t0
+    _fold_counts(report, records)
+    return True
 
 
 def _read_chat_rows(data_path: Path, params: RegenParams) -> tuple[str, list[Row]]:
