@@ -86,31 +86,16 @@ def eval_command(
 
     With vLLM the drafter is also served by vLLM on the same prompts: its acceptance length comes from
     vLLM's own counters, and its greedy output must equal vLLM's without the drafter."""
-    import tempfile
-
-    from peagle_core.data import PreparedDataset, prepare_dataset
-    from peagle_core.evaluation.acceptance import evaluate, held_out_prompts
+    from peagle_core.evaluation.acceptance import evaluate
     from peagle_core.figures import KResult
     from peagle_core.hidden_states.verifier import Verifier
     from peagle_core.model.drafter import PEagleDraftModel
     from peagle_core.serving.judge import VllmJudge, agreement_gap, engine_options
-    from peagle_core.vllm_engine import vllm_available
 
-    if engine not in ("auto", "peagle", "vllm", "both"):
-        fail("--engine: choose one of auto, peagle, vllm, both")
-    if engine == "auto":
-        engine = "both" if vllm_available() else "peagle"
-    elif engine != "peagle" and not vllm_available():
-        fail(f"--engine {engine}: vLLM is not installed here (pip install 'peagle-service[vllm]')")
+    engine = _pick_engine(engine)
     v = Verifier.load(verifier)
     model = PEagleDraftModel.from_pretrained(drafter).to(v.device)
-    with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
-        if data.is_dir():
-            ds = PreparedDataset.open(data)
-        else:
-            prepare_dataset(verifier, data, Path(tmp) / "data", seq_len=seq_len, max_samples=prompts * 4)
-            ds = PreparedDataset.open(Path(tmp) / "data")
-        items = held_out_prompts(ds, range(len(ds)), limit=prompts)
+    items = _eval_prompts(verifier, data, seq_len, prompts)
     rows = {kk: KResult(kk) for kk in k}
     if engine in ("peagle", "both"):
         for kk in k:
@@ -126,6 +111,36 @@ def eval_command(
                     gaps[kk] = agreement_gap(ours.acceptance_length, fig.acceptance_length or 0.0)
     for kk, row in rows.items():
         typer.echo(json.dumps(row.to_dict() | ({"gap": gaps[kk]} if kk in gaps else {})))
+
+
+def _pick_engine(engine: str) -> str:
+    """`--engine` checked, and `auto` made concrete."""
+    from peagle_core.vllm_engine import vllm_available
+
+    if engine not in ("auto", "peagle", "vllm", "both"):
+        fail("--engine: choose one of auto, peagle, vllm, both")
+    if engine == "auto":
+        return "both" if vllm_available() else "peagle"
+    if engine != "peagle" and not vllm_available():
+        fail(f"--engine {engine}: vLLM is not installed here (pip install 'peagle-service[vllm]')")
+    return engine
+
+
+def _eval_prompts(verifier: str, data: Path, seq_len: int, prompts: int) -> list[Any]:
+    """Up to `prompts` held-out prompts of `data`: a prepared dataset directory, or a chat JSONL prepared
+    here into a temporary directory."""
+    import tempfile
+
+    from peagle_core.data import PreparedDataset, prepare_dataset
+    from peagle_core.evaluation.acceptance import held_out_prompts
+
+    with tempfile.TemporaryDirectory(prefix="peagle-eval-") as tmp:
+        if data.is_dir():
+            ds = PreparedDataset.open(data)
+        else:
+            prepare_dataset(verifier, data, Path(tmp) / "data", seq_len=seq_len, max_samples=prompts * 4)
+            ds = PreparedDataset.open(Path(tmp) / "data")
+        return held_out_prompts(ds, range(len(ds)), limit=prompts)
 
 
 def register(app: typer.Typer) -> None:
