@@ -91,7 +91,7 @@ class ErrorEnvelope(BaseModel):
     error: ErrorBody
 
 
-class CreateJobRequest(BaseModel):
+class JobCreate(BaseModel):
     """`{"spec": {...}}`: the job spec is wrapped so that request-level options can be added later."""
 
     model_config = ConfigDict(extra="forbid")
@@ -99,7 +99,7 @@ class CreateJobRequest(BaseModel):
     spec: JobSpec
 
 
-class Job(_Out):
+class JobPublic(_Out):
     id: str
     object: Literal["job"] = "job"
     name: str | None
@@ -140,7 +140,7 @@ PlanStatus = Literal["queued", "running", "succeeded", "failed"]
 PLAN_OPS = ("get_plan_v1_plans__plan_id__get",)
 
 
-class Plan(_Out):
+class PlanPublic(_Out):
     """A plan request, answered asynchronously: poll it until `status` is succeeded or failed."""
 
     id: str
@@ -171,11 +171,11 @@ class Page(BaseModel):
         return cls(data=rows, has_more=has_more, next_cursor=str(rows[-1].id) if has_more else None, **extra)
 
 
-class JobList(Page):
-    data: list[Job]
+class JobsPublic(Page):
+    data: list[JobPublic]
 
 
-class JobEvent(_Out):
+class JobEventPublic(_Out):
     id: int
     job_id: str
     created_at: datetime
@@ -185,11 +185,11 @@ class JobEvent(_Out):
     data: dict[str, Any] | None
 
 
-class EventList(Page):
-    data: list[JobEvent]
+class JobEventsPublic(Page):
+    data: list[JobEventPublic]
 
 
-class MetricPoint(_Out):
+class MetricPublic(_Out):
     step: int
     values: dict[str, Any] = Field(
         description="loss, acc_{d}, tokens_per_s, lr, eval/acceptance_length@K, ..."
@@ -197,8 +197,8 @@ class MetricPoint(_Out):
     created_at: datetime
 
 
-class MetricList(Page):
-    data: list[MetricPoint]
+class MetricsPublic(Page):
+    data: list[MetricPublic]
 
 
 class FileInfo(BaseModel):
@@ -207,7 +207,7 @@ class FileInfo(BaseModel):
     sha256: str
 
 
-class Checkpoint(_Out):
+class CheckpointPublic(_Out):
     id: str
     object: Literal["checkpoint"] = "checkpoint"
     job_id: str
@@ -223,11 +223,11 @@ class Checkpoint(_Out):
     created_at: datetime
 
 
-class CheckpointList(BaseModel):
-    data: list[Checkpoint]
+class CheckpointsPublic(BaseModel):
+    data: list[CheckpointPublic]
 
 
-class Dataset(_Out):
+class DatasetPublic(_Out):
     id: str
     object: Literal["dataset"] = "dataset"
     filename: str
@@ -241,8 +241,8 @@ class Dataset(_Out):
     created_at: datetime
 
 
-class DatasetList(Page):
-    data: list[Dataset]
+class DatasetsPublic(Page):
+    data: list[DatasetPublic]
 
 
 class Health(BaseModel):

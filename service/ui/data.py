@@ -44,7 +44,7 @@ def plotly_js(if_none_match: Annotated[str | None, Header()] = None) -> Response
     return Response(body, media_type="text/javascript", headers=headers)
 
 
-class MetricPage(schemas.MetricList):
+class MetricPage(schemas.MetricsPublic):
     cursor: int | None = Field(description="The last row's id: pass it as `after` to get only newer rows.")
 
 
@@ -82,7 +82,9 @@ def events(
     return jobs_api.events_answer(query, request=request, db=db, sessions=sessions, settings=settings)
 
 
-@router.post("/data/datasets", response_model=schemas.Dataset, status_code=201, dependencies=[CsrfHeader])
+@router.post(
+    "/data/datasets", response_model=schemas.DatasetPublic, status_code=201, dependencies=[CsrfHeader]
+)
 async def upload_dataset_from_page(
     request: Request,
     db: DB,
@@ -90,10 +92,10 @@ async def upload_dataset_from_page(
     settings: AppSettings,
     project: UiProject,
     format: Annotated[actions.DataFormat, Query()] = "auto",
-) -> schemas.Dataset:
+) -> schemas.DatasetPublic:
     upload = actions.UploadDataset(project=project, request=request, format=format)
     row = await actions.upload_dataset_request(upload, db=db, store=store, settings=settings)
-    return schemas.Dataset.model_validate(row)
+    return schemas.DatasetPublic.model_validate(row)
 
 
 @router.get("/checkpoints/{checkpoint_id}/archive")

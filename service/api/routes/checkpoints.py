@@ -34,10 +34,13 @@ def _checkpoint_or_404(db: DB, project_id: str, checkpoint_id: str) -> Checkpoin
 
 
 @router.get(
-    "/{checkpoint_id}", response_model=schemas.Checkpoint, responses=_ERRORS, summary="Inspect a checkpoint"
+    "/{checkpoint_id}",
+    response_model=schemas.CheckpointPublic,
+    responses=_ERRORS,
+    summary="Inspect a checkpoint",
 )
-def checkpoint(checkpoint_id: str, db: DB, project: CurrentProject) -> schemas.Checkpoint:
-    return schemas.Checkpoint.model_validate(_checkpoint_or_404(db, project.id, checkpoint_id))
+def checkpoint(checkpoint_id: str, db: DB, project: CurrentProject) -> schemas.CheckpointPublic:
+    return schemas.CheckpointPublic.model_validate(_checkpoint_or_404(db, project.id, checkpoint_id))
 
 
 @router.delete(

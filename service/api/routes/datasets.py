@@ -36,7 +36,7 @@ _UPLOAD_BODY = {
 @router.post(
     "",
     status_code=201,
-    response_model=schemas.Dataset,
+    response_model=schemas.DatasetPublic,
     responses={
         **_ERRORS,
         201: schemas.id_links("dataset_id", *schemas.DATASET_OPS),
@@ -57,37 +57,39 @@ async def upload_dataset(
     settings: AppSettings,
     project: CurrentProject,
     format: Annotated[actions.DataFormat, Query()] = "auto",
-) -> schemas.Dataset:
+) -> schemas.DatasetPublic:
     upload = actions.UploadDataset(project=project, request=request, format=format)
     row = await actions.upload_dataset_request(upload, db=db, store=store, settings=settings)
-    return schemas.Dataset.model_validate(row)
+    return schemas.DatasetPublic.model_validate(row)
 
 
-@router.get("", response_model=schemas.DatasetList, responses=_ERRORS, summary="List datasets, newest first")
+@router.get(
+    "", response_model=schemas.DatasetsPublic, responses=_ERRORS, summary="List datasets, newest first"
+)
 def list_datasets(
     db: DB,
     project: CurrentProject,
     after: Annotated[str | None, Query(max_length=64, description="Cursor: a dataset id.")] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> schemas.DatasetList:
+) -> schemas.DatasetsPublic:
     page = crud.list_dataset_rows(db, project.id, after=after, limit=limit)
     if page is None:
         raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
     rows, has_more = page
-    return schemas.DatasetList.of(rows, has_more)
+    return schemas.DatasetsPublic.of(rows, has_more)
 
 
 @router.get(
     "/{dataset_id}",
-    response_model=schemas.Dataset,
+    response_model=schemas.DatasetPublic,
     responses={**_ERRORS, 200: schemas.id_links("dataset_id", *schemas.DATASET_OPS)},
     summary="Inspect a dataset",
 )
-def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dataset:
+def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.DatasetPublic:
     row = crud.get_dataset_row(db, project.id, dataset_id)
     if row is None:
         raise not_found("dataset", dataset_id)
-    return schemas.Dataset.model_validate(row)
+    return schemas.DatasetPublic.model_validate(row)
 
 
 @router.delete(

@@ -45,7 +45,7 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
 @router.post(
     "",
     status_code=201,
-    response_model=schemas.Job,
+    response_model=schemas.JobPublic,
     responses={
         **_ERRORS,
         201: schemas.id_links("job_id", *schemas.JOB_OPS),
@@ -61,7 +61,7 @@ def _job_or_404(db: DB, project_id: str, job_id: str) -> Job:
     "(`Idempotent-Replayed: true`); the same key with another body is a 409.",
 )
 def create_job(
-    body: schemas.CreateJobRequest,
+    body: schemas.JobCreate,
     response: Response,
     db: DB,
     redis: RedisConn,
@@ -72,7 +72,7 @@ def create_job(
         # Its length and characters are checked by the action (the dashboard's form field too).
         Header(description=f"A retry token of at most {MAX_IDEMPOTENCY_KEY_CHARS} characters."),
     ] = None,
-) -> schemas.Job:
+) -> schemas.JobPublic:
     request = actions.CreateJob(project=project, spec=body.spec, idempotency_key=idempotency_key)
     created = actions.create_job_request(request, db=db, redis=redis, settings=settings)
     if created.replayed:
@@ -80,7 +80,7 @@ def create_job(
         response.status_code = 200
     else:
         response.headers["Location"] = f"/v1/jobs/{created.job.id}"
-    return schemas.Job.model_validate(created.job)
+    return schemas.JobPublic.model_validate(created.job)
 
 
 # A page of jobs holds at most this many times PEAGLE_MAX_SPEC_BYTES of specs (each job stores up to two,
@@ -100,7 +100,7 @@ def _within_spec_budget(rows: list[Job], has_more: bool, budget: int) -> tuple[l
 
 @router.get(
     "",
-    response_model=schemas.JobList,
+    response_model=schemas.JobsPublic,
     responses=_ERRORS,
     summary="List jobs, newest first",
     description=f"At most `limit` jobs; a page stops earlier (`has_more`) once its jobs' specs pass "
@@ -115,12 +115,12 @@ def list_jobs(
         str | None, Query(max_length=64, description="Cursor: a job id from the previous page.")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-) -> schemas.JobList:
+) -> schemas.JobsPublic:
     page = jobs_crud.list_job_rows(db, project.id, status=status, after=after, limit=limit)
     if page is None:
         raise ApiError(422, f"unknown cursor {after!r}", code="invalid_cursor", param="after")
     rows, has_more = _within_spec_budget(*page, PAGE_SPEC_CAPS * settings.max_spec_bytes)
-    return schemas.JobList.of(rows, has_more)
+    return schemas.JobsPublic.of(rows, has_more)
 
 
 # Links from every answer carrying a job, not only the create's: a client (or a stateful test) goes
@@ -130,25 +130,25 @@ _JOB_LINKS = {200: schemas.id_links("job_id", *schemas.JOB_OPS)}
 
 @router.get(
     "/{job_id}",
-    response_model=schemas.Job,
+    response_model=schemas.JobPublic,
     responses={**_ERRORS, **_JOB_LINKS},
     summary="Inspect a job",
 )
-def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.Job:
-    return schemas.Job.model_validate(_job_or_404(db, project.id, job_id))
+def get_job(job_id: str, db: DB, project: CurrentProject) -> schemas.JobPublic:
+    return schemas.JobPublic.model_validate(_job_or_404(db, project.id, job_id))
 
 
 @router.post(
     "/{job_id}/cancel",
-    response_model=schemas.Job,
+    response_model=schemas.JobPublic,
     responses={**_ERRORS, **_JOB_LINKS, **schemas.error_responses(409)},
     summary="Cancel a job",
     description="A queued job is cancelled at once. A running job becomes `cancelling`: the worker saves "
     "a checkpoint and stops (hard stop after the grace period). A finished job answers 409.",
 )
-def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -> schemas.Job:
+def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -> schemas.JobPublic:
     job = actions.cancel_job_request(actions.JobAction(project=project, job_id=job_id), db=db, redis=redis)
-    return schemas.Job.model_validate(job)
+    return schemas.JobPublic.model_validate(job)
 
 
 @router.delete(
@@ -177,7 +177,7 @@ async def _stream_slot_left(
 @router.get(
     "/{job_id}/events",
     dependencies=[Depends(_stream_slot_left)],
-    response_model=schemas.EventList,
+    response_model=schemas.JobEventsPublic,
     responses={
         **_ERRORS,
         200: {
@@ -199,7 +199,7 @@ def job_events(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     last_event_id: Annotated[str | None, Header(include_in_schema=False)] = None,
-) -> schemas.EventList | StreamingResponse:
+) -> schemas.JobEventsPublic | StreamingResponse:
     query = EventsQuery(project=project, job_id=job_id, after=after, limit=limit, last_event_id=last_event_id)
     return events_answer(query, request=request, db=db, sessions=sessions, settings=settings)
 
@@ -217,7 +217,7 @@ class EventsQuery:
 
 def events_answer(
     query: EventsQuery, *, request: Request, db: Session, sessions: Sessions, settings: Settings
-) -> schemas.EventList | StreamingResponse:
+) -> schemas.JobEventsPublic | StreamingResponse:
     """A JSON page of events, or with `Accept: text/event-stream` the live stream until the job ends (one
     of the key's capped stream slots held while it is open)."""
     job_id = query.job_id
@@ -239,7 +239,7 @@ def events_answer(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     rows, has_more = events_crud.events_after(db, job_id, query.after, query.limit)
-    return schemas.EventList.of(rows, has_more)
+    return schemas.JobEventsPublic.of(rows, has_more)
 
 
 def last_event_id_of(value: str | None) -> int | None:
@@ -280,7 +280,7 @@ async def _follow(
     """Poll the DB for new events and emit them as SSE until the job is terminal and drained, or the
     API key that opened the stream is revoked."""
 
-    def poll(cursor: int | None) -> tuple[list[schemas.JobEvent], str | None, bool]:
+    def poll(cursor: int | None) -> tuple[list[schemas.JobEventPublic], str | None, bool]:
         # Status first, events second: the two reads need not share a snapshot (SQLite autocommits
         # each SELECT), and a terminal status read first guarantees the events read after include the
         # terminal transition's event.
@@ -290,7 +290,7 @@ async def _follow(
             job = jobs_crud.find_job(db, job_id)
             status = job.status if job else None
             rows, _ = events_crud.events_after(db, job_id, cursor, 500)
-            return [schemas.JobEvent.model_validate(e) for e in rows], status, True
+            return [schemas.JobEventPublic.model_validate(e) for e in rows], status, True
 
     cursor = after
     idle = 0.0
@@ -319,7 +319,7 @@ async def _follow(
 
 
 @router.get(
-    "/{job_id}/metrics", response_model=schemas.MetricList, responses=_ERRORS, summary="Metric series"
+    "/{job_id}/metrics", response_model=schemas.MetricsPublic, responses=_ERRORS, summary="Metric series"
 )
 def job_metrics(
     job_id: str,
@@ -329,22 +329,22 @@ def job_metrics(
         int | None, Query(ge=0, le=MAX_ROW_ID, description="Cursor: `next_cursor` of the previous page.")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
-) -> schemas.MetricList:
+) -> schemas.MetricsPublic:
     _job_or_404(db, project.id, job_id)
     rows, has_more = metrics_crud.metrics_after(db, job_id, after, limit)
-    return schemas.MetricList.of(rows, has_more)
+    return schemas.MetricsPublic.of(rows, has_more)
 
 
 @router.get(
     "/{job_id}/checkpoints",
-    response_model=schemas.CheckpointList,
+    response_model=schemas.CheckpointsPublic,
     responses={
         **_ERRORS,
         200: schemas.id_links("checkpoint_id", *schemas.CHECKPOINT_OPS, source="$response.body#/data/0/id"),
     },
     summary="Published checkpoints",
 )
-def job_checkpoints(job_id: str, db: DB, project: CurrentProject) -> schemas.CheckpointList:
+def job_checkpoints(job_id: str, db: DB, project: CurrentProject) -> schemas.CheckpointsPublic:
     _job_or_404(db, project.id, job_id)
     rows = checkpoints_crud.list_for_job(db, job_id)
-    return schemas.CheckpointList(data=[schemas.Checkpoint.model_validate(c) for c in rows])
+    return schemas.CheckpointsPublic(data=[schemas.CheckpointPublic.model_validate(c) for c in rows])

@@ -41,7 +41,7 @@ _ENQUEUE_GRACE = timedelta(seconds=30)
 @router.post(
     "/v1/jobs/plan",
     status_code=202,
-    response_model=schemas.Plan,
+    response_model=schemas.PlanPublic,
     responses={
         202: schemas.id_links("plan_id", *schemas.PLAN_OPS),
         **schemas.error_responses(401, 403, 413, 415, 422, 429, 503),
@@ -57,7 +57,7 @@ _ENQUEUE_GRACE = timedelta(seconds=30)
     "`plan_timeout`.",
 )
 def create_plan(
-    body: schemas.CreateJobRequest,
+    body: schemas.JobCreate,
     request: Request,
     response: Response,
     db: DB,
@@ -65,7 +65,7 @@ def create_plan(
     settings: AppSettings,
     project: CurrentProject,
     recalibrate: Annotated[bool, Query(description="Calibrate again even if rates are stored.")] = False,
-) -> schemas.Plan:
+) -> schemas.PlanPublic:
     spec, ds = admit_with_dataset(db, body.spec, settings, project.id)
     queue = spec.resources.queue
     data = {"uri": ds.uri, "sha256": ds.sha256} if ds is not None else {"path": spec.dataset.path}
@@ -94,12 +94,12 @@ def create_plan(
             503, f"the job queue is unavailable ({exc.__class__.__name__})", code="queue_unavailable"
         ) from None
     response.headers["Location"] = f"/v1/plans/{plan.id}"
-    return schemas.Plan.model_validate(plan)
+    return schemas.PlanPublic.model_validate(plan)
 
 
 @router.get(
     "/v1/plans/{plan_id}",
-    response_model=schemas.Plan,
+    response_model=schemas.PlanPublic,
     responses=schemas.error_responses(401, 404, 503),
     summary="A plan: its status, and its result or error once answered",
     description="With `wait=N`, answers as soon as the plan is answered or after N seconds, whichever "
@@ -113,7 +113,7 @@ async def get_plan(
     wait: Annotated[
         float, Query(ge=0, le=60, description="Seconds to wait for the answer (long poll).")
     ] = 0.0,
-) -> schemas.Plan:
+) -> schemas.PlanPublic:
     project_id = project.id
 
     def read() -> Plan | None:
@@ -130,7 +130,7 @@ async def get_plan(
         while plan.status in plans_crud.IN_FLIGHT:
             await anyio.sleep(_POLL_S)
             plan = await anyio.to_thread.run_sync(_refresh, db, redis, plan)
-    return schemas.Plan.model_validate(plan)
+    return schemas.PlanPublic.model_validate(plan)
 
 
 def _refresh(db: Session, redis: RedisConn, plan: Plan) -> Plan:
