@@ -358,21 +358,24 @@ def row_writers(root: Path) -> dict[str, list[str]]:
     return {cls: sorted(writers[cls]) for cls in sorted(classes)}
 
 
+def _bound_names(node: ast.stmt, definitions: Any) -> list[str]:
+    """The names a top-level statement binds: a definition of the `definitions` kinds, or an assignment."""
+    if isinstance(node, definitions):
+        return [node.name]
+    if isinstance(node, ast.Assign):
+        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    return []
+
+
 def type_definitions(root: Path) -> dict[str, list[str]]:
     """For each kind in TYPE_KINDS, the `module:Name` of every top-level class or alias defining it."""
     found: dict[str, list[str]] = {kind: [] for kind in TYPE_KINDS}
     for path in source_files(root):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in tree.body:
-            if isinstance(node, ast.ClassDef):
-                names = [node.name]
-            elif isinstance(node, ast.Assign):
-                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                names = [node.target.id]
-            else:
-                continue
-            for name in names:
+            for name in _bound_names(node, ast.ClassDef):
                 for kind, pattern in TYPE_KINDS.items():
                     if pattern.match(name):
                         found[kind].append(f"{path.relative_to(root)}:{name}")
@@ -385,15 +388,7 @@ def duplicate_names(root: Path) -> dict[str, list[str]]:
     where: dict[str, list[str]] = defaultdict(list)
     for path in source_files(root):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                names = [node.name]
-            elif isinstance(node, ast.Assign):
-                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                names = [node.target.id]
-            else:
-                continue
-            for name in names:
+            for name in _bound_names(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 if not name.startswith("_") and name not in SHARED_NAMES:
                     where[name].append(str(path.relative_to(root)))
     return {name: sorted(set(ms)) for name, ms in sorted(where.items()) if len(set(ms)) > 1}
