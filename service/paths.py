@@ -185,41 +185,23 @@ def check_spec_paths(
     verifier = _check_verifier(spec, settings, prefix)
     if verifier is not None:
         updates["verifier"] = {"name_or_path": str(verifier)}
-    if spec.model.init_from is not None:
-        init = f"{prefix}model.init_from"
+    # (section, field, roots, what, must be, the project whose own files area counts as a root too)
+    server_paths = (
+        ("model", "init_from", settings.allowed_model_roots, "model path", "dir", None),
+        ("dataset", "path", settings.allowed_data_roots, "data path", "file", project_id),
+        ("hidden_states", "cache_uri", settings.allowed_data_roots, "cache path", None, project_id),
+    )
+    for section, field, roots, what, must_be, owner in server_paths:
+        value = getattr(getattr(spec, section), field)
+        if value is None:
+            continue
+        param = f"{prefix}{section}.{field}"
         resolved = _check_path(
-            spec.model.init_from,
-            settings.allowed_model_roots,
-            init,
-            "model path",
-            must_be="dir",
-            settings=settings,
+            value, roots, param, what, must_be=must_be, settings=settings, project_id=owner
         )
-        updates["model"] = {"init_from": str(resolved)}
-    if spec.dataset.path is not None:
-        resolved = _check_path(
-            spec.dataset.path,
-            settings.allowed_data_roots,
-            f"{prefix}dataset.path",
-            "data path",
-            must_be="file",
-            settings=settings,
-            project_id=project_id,
-        )
-        updates["dataset"] = {"path": str(resolved)}
-    if spec.hidden_states.cache_uri is not None:
-        param = f"{prefix}hidden_states.cache_uri"
-        resolved = _check_path(
-            spec.hidden_states.cache_uri,
-            settings.allowed_data_roots,
-            param,
-            "cache path",
-            must_be=None,
-            settings=settings,
-            project_id=project_id,
-        )
-        _check_cache_dir(resolved, settings, project_id, param)
-        updates["hidden_states"] = {"cache_uri": str(resolved)}
+        if section == "hidden_states":
+            _check_cache_dir(resolved, settings, project_id, param)
+        updates[section] = {field: str(resolved)}
     if not updates:
         return spec
     data = spec.model_dump(mode="json", exclude_unset=True)
