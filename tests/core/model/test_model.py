@@ -121,26 +121,6 @@ def test_fused_loss_matches_reference() -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_fused_kl_loss_under_bf16_autocast_keeps_fp32_gradients() -> None:
-    # CUDA training runs under bf16 autocast: the loss's matmuls come back in bf16, its accumulators
-    # and the gradients it returns must stay fp32 (this raised "Index put requires the source and
-    # destination dtypes match" before).
-    torch.manual_seed(0)
-    hidden = torch.randn(30, H, requires_grad=True)
-    weight = (0.1 * torch.randn(DRAFT_VOCAB, H)).requires_grad_()
-    teacher, teacher_w = torch.randn(12, H), 0.1 * torch.randn(DRAFT_VOCAB, H)
-    target, row_w = torch.randint(0, 12, (30,)), torch.rand(30)
-    ref = reference_kl_loss(hidden, weight, teacher, teacher_w, target, row_w)
-    g_ref = torch.autograd.grad(ref, (hidden, weight))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = fused_kl_loss(hidden, weight, teacher, teacher_w, target, row_w)
-    grads = torch.autograd.grad(out.loss, (hidden, weight))
-    torch.testing.assert_close(out.loss, ref, rtol=0.05, atol=0.01)
-    for got, want in zip(grads, g_ref, strict=True):
-        assert got.dtype == torch.float32
-        assert float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)) > 0.99
-
-
 @pytest.mark.parametrize("norm_before_residual", [True, False])
 def test_tiny_model_overfits_one_batch(norm_before_residual: bool) -> None:
     model, teacher = tiny_model(norm_before_residual=norm_before_residual)
