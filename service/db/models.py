@@ -37,6 +37,11 @@ JOB_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cance
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
 
+def _serial_id() -> Mapped[int]:
+    # BIGINT in Postgres; SQLite autoincrements only an INTEGER PRIMARY KEY.
+    return mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+
+
 class SafeJSON(TypeDecorator[Any]):
     """JSONB on Postgres (indexable, compact), plain JSON elsewhere; every value written goes through
     `json_safe` first, so NaN and infinities (a diverged loss) are stored as null and never rejected."""
@@ -182,9 +187,7 @@ class JobNode(Base):
     __tablename__ = "job_nodes"
     __table_args__ = (UniqueConstraint("job_id", "attempt", "slot", name="uq_job_nodes_job_attempt_slot"),)
 
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = _serial_id()
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
     slot: Mapped[int] = mapped_column(
@@ -203,9 +206,7 @@ class JobEvent(Base):
     __tablename__ = "job_events"
     __table_args__ = (Index("ix_job_events_job_id_id", "job_id", "id"),)
 
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = _serial_id()
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     level: Mapped[str] = mapped_column(String(16), default="info")
@@ -218,9 +219,7 @@ class JobMetric(Base):
     __tablename__ = "job_metrics"
     __table_args__ = (Index("ix_job_metrics_job_id_step", "job_id", "step"),)
 
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = _serial_id()
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
     values: Mapped[dict[str, Any]] = mapped_column(JSONType)
@@ -255,9 +254,7 @@ class IdempotencyKey(Base):
     __tablename__ = "idempotency_keys"
     __table_args__ = (UniqueConstraint("project_id", "key", name="uq_idempotency_keys_project_key"),)
 
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = _serial_id()
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     key: Mapped[str] = mapped_column(String(255))
     request_hash: Mapped[str] = mapped_column(String(64), doc="sha256 of the canonical request body.")
@@ -304,9 +301,7 @@ class StorageUsage(Base):
         Index("ix_storage_usage_job_id", "job_id"),
     )
 
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = _serial_id()
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(32))
     key: Mapped[str] = mapped_column(
