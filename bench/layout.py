@@ -50,7 +50,8 @@ TYPE_KINDS = {
     "recommendation": re.compile(r"^(ServingRecommendation|Recommendation)$"),
 }
 FIGURE_KINDS = ("speedup_row", "acceptance", "serving_verdict", "recommendation")
-# Names that many modules define on purpose, one per module by role; not one thing defined twice.
+# Names defined in more than one module on purpose, each with why: role names (one per module by role) and
+# the two sides of a protocol; not one thing defined twice.
 SHARED_NAMES = {
     "log": "each module's logger, logging.getLogger(__name__)",
     "router": "each routes module's FastAPI APIRouter",
@@ -58,6 +59,9 @@ SHARED_NAMES = {
     "register": "each package's hook that adds its commands to the `peagle` CLI",
     "main": "a console script's entry point",
     "T": "a module's own TypeVar",
+    "build_app": "a console script's typer app builder: `peagle` (cli) and the library's own (peagle_core.cli)",
+    "TERMINAL_STATUSES": "the job statuses the API calls final, on both sides of HTTP: the SDK never imports the "
+    "server (import-linter's sdk-standalone); tests/test_layout.py checks that the two agree",
 }
 
 

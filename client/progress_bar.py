@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from client.sdk import PeagleClient
 
-Job = dict[str, Any]
+JobRecord = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Snapshot:
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
         if self.eta_s is not None:
-            parts.append(f"eta {duration(self.eta_s)}")
+            parts.append(f"eta {compact_duration(self.eta_s)}")
         return " | ".join(parts)
 
 
@@ -92,7 +92,7 @@ class JobProgressBar:
         self.every_s = every_s
         self._clock = clock
         self._started = clock()
-        self._job: Job = {}
+        self._job: JobRecord = {}
         self._stage: str | None = None  # from the latest stage event (the job record may lag a poll)
         self._stage_data: dict[str, Any] = {}  # that event's data (the train stage's `total_steps`)
         self._doing: _Doing | None = None
@@ -104,7 +104,7 @@ class JobProgressBar:
 
     # -- feeding ------------------------------------------------------------------------------------
 
-    def job(self, job: Job) -> None:
+    def job(self, job: JobRecord) -> None:
         """The job record as GET /v1/jobs/{id} answers it; prints a plain line when one is due."""
         self._job = job
         # An ended job's line is printed last, when the bar closes.
@@ -187,7 +187,7 @@ class JobProgressBar:
         if self._spinner is None:
             self._spinner = Spinner("dots", style="progress.spinner")
         ended = str(self._job.get("status")) in TERMINAL_STATUSES
-        elapsed, figures = duration(self._clock() - self._started), snap.figures(compact=True)
+        elapsed, figures = compact_duration(self._clock() - self._started), snap.figures(compact=True)
         bar_width = max(10, min(30, self.console.width - len(snap.title) - len(elapsed) - len(figures) - 8))
         # On a narrow terminal the figures, last, are cut; never the stage or the elapsed time.
         grid = Table.grid(padding=(0, 1))
@@ -228,7 +228,7 @@ class JobProgressBar:
                 return
             if not final and snap.title == last.title and now - at < self.every_s:
                 return
-        self.print(f"[{duration(now - self._started)}] {text}")
+        self.print(f"[{compact_duration(now - self._started)}] {text}")
         self._printed, self._printed_last = (snap, text, now), True
 
     def __enter__(self) -> JobProgressBar:
@@ -252,14 +252,14 @@ class JobProgressBar:
         job_id: str,
         *,
         show: Callable[[dict[str, Any]], str | None],
-        on_job: Callable[[Job], None] | None = None,
+        on_job: Callable[[JobRecord], None] | None = None,
         poll_s: float = 1.0,
-    ) -> Job:
+    ) -> JobRecord:
         """Poll the job until it ends and every event was seen, feeding the bar; `show` turns an event into
         the line printed above the bar (None: not printed), `on_job` also sees each poll's record. Returns the
         final job record."""
 
-        def seen(job: Job) -> None:
+        def seen(job: JobRecord) -> None:
             self.job(job)
             if on_job is not None:
                 on_job(job)
@@ -271,7 +271,7 @@ class JobProgressBar:
         return self._job
 
 
-def duration(seconds: float) -> str:
+def compact_duration(seconds: float) -> str:
     """`45s`, `3m12s`, `1h02m`."""
     s = max(0, round(seconds))
     if s < 60:

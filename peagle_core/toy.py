@@ -22,7 +22,7 @@ from typing import Any
 
 from peagle_core.io import atomic_dir, atomic_write_bytes
 
-BUILD_VERSION = 1  # bump when the corpus, tokenizer or training recipe changes: invalidates caches
+TOY_BUILD_VERSION = 1  # bump when the corpus, tokenizer or training recipe changes: invalidates caches
 
 # The corpus is built from PINNED_DOCS, not from the running interpreter: docstrings change between Python
 # patch releases (3.11.2 and 3.11.7 differ in five), and with them the toy verifier, its datasets and every
@@ -153,7 +153,7 @@ def pinned_docs() -> list[tuple[str, str]]:
 
 def pin_docs(path: Path = PINNED_DOCS) -> None:
     """Rewrite the pinned docstrings from this interpreter's stdlib (one pair a line, for reviewable diffs).
-    This changes the toy verifier: bump BUILD_VERSION with it."""
+    This changes the toy verifier: bump TOY_BUILD_VERSION with it."""
     lines = ",\n".join(json.dumps(list(pair), ensure_ascii=False) for pair in stdlib_docs())
     path.write_text(f"[\n{lines}\n]\n")
 
@@ -246,7 +246,7 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
 
 def _cache_key(size: str, seed: int, corpus: list[dict[str, Any]]) -> str:
     h = hashlib.sha256(json.dumps(corpus, sort_keys=True).encode())
-    h.update(f"{BUILD_VERSION}|{size}|{seed}|{asdict(SIZES[size])}|{CHAT_TEMPLATE}".encode())
+    h.update(f"{TOY_BUILD_VERSION}|{size}|{seed}|{asdict(SIZES[size])}|{CHAT_TEMPLATE}".encode())
     return f"{size}-seed{seed}-{h.hexdigest()[:12]}"
 
 
@@ -287,7 +287,7 @@ def _train_model(size: ToySize, tokenizer, train_ids: list[int], val_ids: list[i
 
 def _fit(model, size: ToySize, train_ids: list[int], seed: int) -> float:
     """Train on random `size.seq_len` windows of `train_ids` (warmup, then cosine decay to a tenth of the
-    peak); returns the last step's loss. Part of the recipe: a change here wants a BUILD_VERSION bump."""
+    peak); returns the last step's loss. Part of the recipe: a change here wants a TOY_BUILD_VERSION bump."""
     import torch
 
     model.train()
@@ -396,7 +396,7 @@ def _build_into(target: Path, spec: ToySize, size: str, seed: int, corpus: list[
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     info = {
-        "build_version": BUILD_VERSION,
+        "build_version": TOY_BUILD_VERSION,
         "size": size,
         "seed": seed,
         "shape": asdict(spec),

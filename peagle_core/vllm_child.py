@@ -135,7 +135,7 @@ def serve(
             return
 
 
-def describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """vLLM's own message; the root cause's too when vLLM wrapped it in a generic one."""
     text = f"{type(exc).__name__}: {exc}"
     root = exc

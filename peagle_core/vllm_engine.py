@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from peagle_core.errors import PeagleError
 from peagle_core.figures import Acceptance
-from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
+from peagle_core.vllm_child import VllmChild, describe_error, enter_child, new_llm, serve
 
 _COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -29,7 +29,7 @@ _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 # vLLM's training-free speculator: it proposes the K tokens that followed the last 2-4 prompt-or-output
 # tokens where they occurred before (prompt lookup). The yardstick a trained drafter has to beat.
 NGRAM_LOOKUP = {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
-Method = Literal["eagle3", "ngram"]
+SpeculativeMethod = Literal["eagle3", "ngram"]
 
 
 def vllm_available() -> bool:
@@ -108,7 +108,8 @@ class EngineConfig:
     verifier: str
     revision: str | None = None
     drafter: str | None = None
-    method: Method | None = None  # the speculator: "eagle3" with `drafter`, "ngram" without; None: plain
+    # the speculator: "eagle3" with `drafter`, "ngram" without; None: plain
+    method: SpeculativeMethod | None = None
     k: int | None = None
     max_model_len: int = 1024
     dtype: str = "float32"
@@ -158,7 +159,7 @@ class VllmProcess:
         *,
         drafter: str | None = None,
         k: int | None = None,
-        method: Method = "eagle3",
+        method: SpeculativeMethod = "eagle3",
         dtype: str = "float32",
         max_model_len: int | None = None,
         enforce_eager: bool = True,
@@ -262,7 +263,7 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
         try:
             state["llm"] = _build_engine(config)
         except Exception as exc:  # vLLM's own refusal, reported to the caller verbatim
-            return {"error": describe(exc), "phase": "load"}
+            return {"error": describe_error(exc), "phase": "load"}
         state["config"] = config
     llm = state["llm"]
     try:
@@ -282,7 +283,7 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
         after = _counters(llm)
     except Exception as exc:
         _drop_engine(state)
-        return {"error": describe(exc), "phase": "generate"}
+        return {"error": describe_error(exc), "phase": "generate"}
     moved = {name: after[name] - before.get(name, 0) for name in _COUNTERS.values()}
     per_pos = [a - b for a, b in zip(after[_PER_POSITION], before.get(_PER_POSITION) or [], strict=False)]
     per_pos += after[_PER_POSITION][len(per_pos) :]

@@ -24,7 +24,7 @@ from service.db.session import session_factory
 from service.metrics import Metrics, MetricsMiddleware
 from service.queue import queue_depths, redis_from_url
 from service.settings import Settings, get_settings
-from service.ui import install as install_ui
+from service.ui import install_dashboard
 from service.ui.session import COOKIE as SESSION_COOKIE
 
 
@@ -69,7 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         functools.partial(_job_counts, app.state.sessions),
         functools.partial(queue_depths, app.state.redis, settings.queues),
     )
-    errors.install(app)
+    errors.install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_spec_bytes, exempt=is_dataset_upload)
     app.add_middleware(
         FairShareMiddleware,
@@ -80,6 +80,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     for module in (health, plans, jobs, tracking, datasets, checkpoints):
         app.include_router(module.router)
-    install_ui(app)
+    install_dashboard(app)
     schemas.document_envelope_422(app)
     return app

@@ -75,7 +75,7 @@ def server_options() -> dict[str, Any]:
     return {"http": BoundedH11Protocol, "proxy_headers": True}
 
 
-def describe() -> dict[str, Any]:
+def describe_server_options() -> dict[str, Any]:
     """The connection settings `server_options()` amounts to, as JSON-able values (the bench prints them)."""
     import uvicorn
 

@@ -89,8 +89,8 @@ def apply_retention(session: Session, store: ArtifactStore, days: float, batch: 
 def housekeeping(session: Session, settings: Settings) -> list[str]:
     """The reconciler's periodic clean-up: purge expired idempotency keys, stale upload reservations and
     old plans, then apply the retention period if one is set. Returns the ids of the jobs deleted."""
-    idempotency.purge_expired(session)
-    usage.purge_expired(session)
+    idempotency.purge_expired_keys(session)
+    usage.purge_expired_reservations(session)
     plans.purge_finished(session)
     session.commit()
     if settings.retention_days is None:

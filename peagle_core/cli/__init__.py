@@ -31,7 +31,7 @@ def build_app() -> typer.Typer:
     # The full CLI mounts `datasets get` on the client's `datasets` group; standalone, it gets its own.
     datasets = typer.Typer(no_args_is_help=True, help="Catalogue datasets.")
     datasets.command("get")(catalogue.datasets_get)
-    datasets.command("catalogue")(catalogue.datasets_list)
+    datasets.command("catalogue")(catalogue.datasets_catalogue)
     app.add_typer(datasets, name="datasets")
     return app
 

@@ -73,7 +73,7 @@ def datasets_get(
     }))  # fmt: skip
 
 
-def datasets_list() -> None:
+def datasets_catalogue() -> None:
     """The catalogue's datasets, one JSON line each."""
     from peagle_core.catalogue.pins import DATASETS
 

@@ -51,7 +51,7 @@ def prepare(
 
 
 @app.command("validate")
-def validate(
+def data_validate(
     data: Annotated[Path, typer.Argument(help="JSONL dataset to check.")],
     fmt: Annotated[str, typer.Option("--format", help="auto, messages, sharegpt or tokenized.")] = "auto",
     regenerate: Annotated[

@@ -11,7 +11,7 @@ app = typer.Typer(no_args_is_help=True, help="Validate exported drafter checkpoi
 
 
 @app.command("validate")
-def validate(
+def export_validate(
     directory: Annotated[Path, typer.Argument(help="checkpoint directory (config.json + model.safetensors)")],
     verifier: Annotated[
         str | None,

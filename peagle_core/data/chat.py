@@ -1,7 +1,7 @@
 """Chat-template rendering and exact assistant loss masks, in time linear in the conversation.
 
 With `{% generation %}` markers in the template, HF's assistant mask is used. Otherwise an assistant turn's
-tokens are those between `render(messages[:i], gen_prompt)` and `render(messages[:i+1])` in the full
+tokens are those between `render_chat(messages[:i], gen_prompt)` and `render_chat(messages[:i+1])` in the full
 conversation's tokens (common prefixes, so a tokenizer merging across a turn boundary is handled). The
 conversation is tokenized once, only up to `max_tokens`; a prefix's tokens are read off it, re-tokenizing
 only the text after its last added token (`peagle_core.data.tokens`).
@@ -26,7 +26,7 @@ def has_generation_markers(tokenizer: Any) -> bool:
     )
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
     """The chat template applied to `messages`, as text."""
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -70,7 +70,7 @@ def _mask_by_offsets(
     what its first `max_tokens` tokens do, plus one render.
     """
     enc = prefix_tokenizer(tokenizer)
-    text = render(tokenizer, messages)
+    text = render_chat(tokenizer, messages)
     full = enc.encode(text, max_tokens)
     limit = len(full.ids)
     ends = [e for _, _, e in full.added]
@@ -88,10 +88,10 @@ def _mask_by_offsets(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = shared(render(tokenizer, messages[:i], add_generation_prompt=True))
+        start = shared(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
         if start >= limit:
             break
-        end = shared(render(tokenizer, messages[: i + 1]))
+        end = shared(render_chat(tokenizer, messages[: i + 1]))
         mask[start:end] = [1] * max(0, end - start)
     return full.ids, mask
 
@@ -100,18 +100,18 @@ def _mask_by_prefixes(
     tokenizer: Any, messages: list[dict[str, str]], max_tokens: int | None
 ) -> tuple[list[int], list[int]]:
     """For tokenizers without offsets: each prefix rendered and tokenized whole (turns stop at `max_tokens`)."""
-    ids = encode(tokenizer, render(tokenizer, messages))[:max_tokens]
+    ids = encode(tokenizer, render_chat(tokenizer, messages))[:max_tokens]
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         # common-prefix lengths, not raw lengths: robust to a tokenizer merging across a turn boundary
         start = _common_prefix(
-            ids, encode(tokenizer, render(tokenizer, messages[:i], add_generation_prompt=True))
+            ids, encode(tokenizer, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
         )
         if start >= len(ids):
             break
-        end = _common_prefix(ids, encode(tokenizer, render(tokenizer, messages[: i + 1])))
+        end = _common_prefix(ids, encode(tokenizer, render_chat(tokenizer, messages[: i + 1])))
         for t in range(start, end):
             mask[t] = 1
     return ids, mask

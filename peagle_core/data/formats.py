@@ -22,7 +22,7 @@ FORMATS: tuple[str, ...] = ("auto", "messages", "sharegpt", "tokenized")
 # One JSONL line is parsed into Python objects about 12x its size, so a line's length bounds the memory a
 # reader needs. 8 MiB holds a 131072-token pre-tokenized row or ~2M characters of chat several times over.
 DEFAULT_MAX_LINE_BYTES = 8 << 20
-MAX_CATEGORY_CHARS = 200
+MAX_ROW_CATEGORY_CHARS = 200
 # Token ids travel as int32 in packed batches and caches; no vocabulary comes near it.
 MAX_TOKEN_ID = (1 << 31) - 1
 ROLES = ("system", "user", "assistant")
@@ -146,9 +146,9 @@ def _category(obj: dict[str, Any], line: int) -> str | None:
     cat = obj.get("category")
     if cat is None or cat == "":
         return None
-    if not isinstance(cat, str) or not 0 < len(cat) <= MAX_CATEGORY_CHARS:
+    if not isinstance(cat, str) or not 0 < len(cat) <= MAX_ROW_CATEGORY_CHARS:
         raise DataError(
-            f"line {line}: 'category' must be a string of 1 to {MAX_CATEGORY_CHARS} characters",
+            f"line {line}: 'category' must be a string of 1 to {MAX_ROW_CATEGORY_CHARS} characters",
             param=f"line {line}",
         )
     return cat

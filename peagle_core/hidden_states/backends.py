@@ -17,8 +17,8 @@ from typing import Any
 
 from peagle_core.hidden_states.build import ComputeBackend, HiddenStateBackend, StopCheck, stop_if_asked
 from peagle_core.hidden_states.cache import (
+    CACHE_MANIFEST,
     DEFAULT_SHARD_BYTES,
-    MANIFEST,
     CacheError,
     CacheFingerprint,
     ComputeFn,
@@ -174,7 +174,7 @@ class VllmCompute:
 
 def cache_backend(cache_dir: str | Path | None, default: str) -> str:
     """The backend that built the cache at `cache_dir`, or `default` when there is none yet."""
-    if cache_dir is None or not (Path(cache_dir) / MANIFEST).is_file():
+    if cache_dir is None or not (Path(cache_dir) / CACHE_MANIFEST).is_file():
         return default
     return HiddenStateCache.open(cache_dir).backend
 

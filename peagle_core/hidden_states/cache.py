@@ -32,8 +32,8 @@ from peagle_core.keys import content_key
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+CACHE_FORMAT_VERSION = 1
+CACHE_MANIFEST = "manifest.json"
 LOCK = ".lock"
 DEFAULT_SHARD_BYTES = 128 << 20
 
@@ -162,8 +162,10 @@ class HiddenStateCache:
     ) -> HiddenStateCache:
         """Open an existing cache, refusing one built for another fingerprint (or dataset, if given)."""
         path = Path(path)
-        if not (path / MANIFEST).is_file():
-            raise CacheMissError(f"no hidden-state cache at {path} (missing {MANIFEST})", param=str(path))
+        if not (path / CACHE_MANIFEST).is_file():
+            raise CacheMissError(
+                f"no hidden-state cache at {path} (missing {CACHE_MANIFEST})", param=str(path)
+            )
         cache = cls(path, _read_manifest(path))
         cache._check(fingerprint, dataset_fingerprint)
         return cache
@@ -190,7 +192,7 @@ class HiddenStateCache:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         with _locked(path):
-            if (path / MANIFEST).is_file():
+            if (path / CACHE_MANIFEST).is_file():
                 cache = cls(path, _read_manifest(path))
                 cache._check(fingerprint, None)
                 if cache.dtype != dtype:
@@ -200,7 +202,7 @@ class HiddenStateCache:
                     )
                 return cache
             manifest = {
-                "format_version": FORMAT_VERSION,
+                "format_version": CACHE_FORMAT_VERSION,
                 "fingerprint": fingerprint.to_json(),
                 "dtype": dtype,
                 "aux_dim": None,
@@ -210,7 +212,7 @@ class HiddenStateCache:
                 "engine": backend,
                 "shards": {},
             }
-            atomic_write_json(path / MANIFEST, manifest)
+            atomic_write_json(path / CACHE_MANIFEST, manifest)
             return cls(path, manifest)
 
     def _check(self, fingerprint: CacheFingerprint | None, dataset_fingerprint: str | None) -> None:
@@ -285,13 +287,13 @@ class HiddenStateCache:
                 index[int(i)] = _Entry(name, offs[k], offs[k + 1] - offs[k])
         self._index = index
         with contextlib.suppress(OSError):
-            st = (self.path / MANIFEST).stat()
+            st = (self.path / CACHE_MANIFEST).stat()
             self._manifest_stat = (st.st_mtime_ns, st.st_ino)
 
     def refresh(self) -> bool:
         """Re-read the manifest if another writer replaced it; True if it changed."""
         try:
-            st = (self.path / MANIFEST).stat()
+            st = (self.path / CACHE_MANIFEST).stat()
         except OSError:
             return False
         if (st.st_mtime_ns, st.st_ino) == self._manifest_stat:
@@ -397,7 +399,7 @@ class HiddenStateCache:
             if self._manifest["aux_dim"] is None:
                 self._manifest["aux_dim"] = int(items[0][1].aux.shape[1])
                 self._manifest["last_dim"] = int(items[0][1].last.shape[1])
-            atomic_write_json(self.path / MANIFEST, self._manifest)
+            atomic_write_json(self.path / CACHE_MANIFEST, self._manifest)
             self._reindex()
             self._open = OrderedDict((k, v) for k, v in self._open.items() if not k.startswith(name + ":"))
             self._verified.add((name, meta["sha256"]))
@@ -436,7 +438,9 @@ class HiddenStateCache:
         try:
             # One metadata key: safetensors keeps metadata in a hash map whose order varies per process,
             # and shards must be byte-identical across runs so a resumed build equals a one-shot one.
-            meta_json = json.dumps({"format_version": FORMAT_VERSION, "dtype": self.dtype}, sort_keys=True)
+            meta_json = json.dumps(
+                {"format_version": CACHE_FORMAT_VERSION, "dtype": self.dtype}, sort_keys=True
+            )
             save_file(tensors, tmp, metadata={"peagle_cache": meta_json})
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
@@ -457,13 +461,13 @@ class HiddenStateCache:
 
 def _read_manifest(path: Path) -> dict[str, Any]:
     try:
-        m = json.loads((path / MANIFEST).read_text())
+        m = json.loads((path / CACHE_MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise CacheError(f"cannot read {path / MANIFEST}: {exc}", param=str(path)) from None
-    if m.get("format_version") != FORMAT_VERSION:
+        raise CacheError(f"cannot read {path / CACHE_MANIFEST}: {exc}", param=str(path)) from None
+    if m.get("format_version") != CACHE_FORMAT_VERSION:
         raise CacheError(
-            f"{path / MANIFEST}: unsupported format_version {m.get('format_version')!r} "
-            f"(this build reads {FORMAT_VERSION})",
+            f"{path / CACHE_MANIFEST}: unsupported format_version {m.get('format_version')!r} "
+            f"(this build reads {CACHE_FORMAT_VERSION})",
             param=str(path),
         )
     return m

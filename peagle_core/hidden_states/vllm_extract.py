@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.errors import PeagleError
-from peagle_core.vllm_child import VllmChild, describe, enter_child, new_llm, serve
+from peagle_core.vllm_child import VllmChild, describe_error, enter_child, new_llm, serve
 
 CONNECTOR = "PeagleHiddenStatesConnector"
 CONNECTOR_MODULE = "peagle_core.hidden_states.vllm_connector"
@@ -180,7 +180,7 @@ def _child_main(conn: Any, config: dict[str, Any], devices: str | None) -> None:
             VllmHiddenStatesConfig(**{**config, "layer_ids": tuple(config["layer_ids"])})
         )
     except Exception as exc:  # vLLM's refusal, reported verbatim
-        conn.send({"error": f"vLLM could not start on {config['verifier']}: {describe(exc)}"})
+        conn.send({"error": f"vLLM could not start on {config['verifier']}: {describe_error(exc)}"})
         return
     conn.send(info)
     caches: dict[str, Any] = {}
@@ -189,7 +189,7 @@ def _child_main(conn: Any, config: dict[str, Any], devices: str | None) -> None:
         try:
             return _fill(llm, caches, message)
         except Exception as exc:
-            return {"error": f"vLLM failed computing hidden states: {describe(exc)}"}
+            return {"error": f"vLLM failed computing hidden states: {describe_error(exc)}"}
 
     serve(conn, answer, stop_on_error=True)
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from peagle_core.data.chat import encode, render
+from peagle_core.data.chat import encode, render_chat
 from peagle_core.data.formats import Row, iter_rows
 from peagle_core.data.source import InputFile, provenance_path
 from peagle_core.errors import DataError
@@ -176,7 +176,7 @@ def rewrite_conversations(
             c.advance()
             if c.done:
                 continue
-            prompt = encode(tokenizer, render(tokenizer, c.out, add_generation_prompt=True))
+            prompt = encode(tokenizer, render_chat(tokenizer, c.out, add_generation_prompt=True))
             if len(prompt) >= params.seq_len:
                 c.cut("skipped_prompt_too_long")
                 continue

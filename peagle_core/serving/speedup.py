@@ -19,7 +19,7 @@ from peagle_core.figures import (
 )
 
 if TYPE_CHECKING:
-    from peagle_core.vllm_engine import Method, VllmProcess
+    from peagle_core.vllm_engine import SpeculativeMethod, VllmProcess
 
 Groups = list[list[list[int]]]  # batches of prompts (token ids), each one `generate` call
 
@@ -102,7 +102,7 @@ def paired_speedups(
     *,
     drafter: str | None = None,
     k: int,
-    method: Method = "eagle3",
+    method: SpeculativeMethod = "eagle3",
     rounds: int = 3,
     options: dict[str, Any] | None = None,
     on_round: Callable[[int], None] | None = None,

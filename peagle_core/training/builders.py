@@ -20,7 +20,7 @@ from peagle_core.errors import DataError
 from peagle_core.evaluation.acceptance import held_out_prompts, prompt_of
 from peagle_core.hidden_states.backends import cache_backend, make_source, open_backend, vllm_config_for
 from peagle_core.hidden_states.build import build_cache
-from peagle_core.hidden_states.cache import MANIFEST, CacheFingerprint, HiddenStateCache
+from peagle_core.hidden_states.cache import CACHE_MANIFEST, CacheFingerprint, HiddenStateCache
 from peagle_core.hidden_states.loader import HiddenStateSource
 from peagle_core.hidden_states.verifier import Verifier
 from peagle_core.hidden_states.vllm_extract import VllmHiddenStates
@@ -62,7 +62,7 @@ def build_source(
         VllmHiddenStates, vllm_config_for(spec, verifier.layer_ids, cuda=verifier.device.type == "cuda")
     )
     if hs.mode == "offline" and info.is_main:
-        complete = (cache_root / MANIFEST).is_file() and HiddenStateCache.open(
+        complete = (cache_root / CACHE_MANIFEST).is_file() and HiddenStateCache.open(
             cache_root, fingerprint
         ).is_complete()
         if not complete:
@@ -181,7 +181,7 @@ def count_steps(spec: JobSpec, train_idx: list[int], lengths: list[int]) -> int:
     return total
 
 
-def eval_prompts(
+def heldout_prompt_tokens(
     spec: JobSpec, dataset: PreparedDataset, val_idx: list[int], verifier: Verifier
 ) -> list[torch.Tensor]:
     """Held-out prompts: the validation split's (count given), or the spec's own prompt strings."""
@@ -201,7 +201,7 @@ def eval_prompts(
 
 
 def eval_categories(spec: JobSpec, dataset: PreparedDataset, val_idx: list[int]) -> list[str | None]:
-    """The category of each of `eval_prompts`' prompts (None where it has none): the spec's own, or the
+    """The category of each of `heldout_prompt_tokens`' prompts (None where it has none): the spec's own, or the
     dataset rows' where the prepared dataset keeps them (an optional `categories` list per sample)."""
     prompts = spec.evaluation.prompts
     if not isinstance(prompts, int):

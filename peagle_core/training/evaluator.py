@@ -17,7 +17,7 @@ from peagle_core.serving.judge import GAP_TOLERANCE, Evaluators, VllmJudge, agre
 from peagle_core.serving.report import EvaluationReport
 from peagle_core.spec import JobSpec
 from peagle_core.training import sharding
-from peagle_core.training.builders import build_judge, eval_categories, eval_prompts
+from peagle_core.training.builders import build_judge, eval_categories, heldout_prompt_tokens
 from peagle_core.training.hooks import Hooks
 
 
@@ -50,7 +50,7 @@ class Evaluator:
         hooks: Hooks,
     ) -> Evaluator:
         """The spec's evaluation prompts (held out from `val_idx`, or its own) and evaluators."""
-        prompts = eval_prompts(spec, dataset, val_idx, verifier)
+        prompts = heldout_prompt_tokens(spec, dataset, val_idx, verifier)
         categories = eval_categories(spec, dataset, val_idx)
         evaluators, judge = build_judge(
             spec, prompts, device, is_main=hooks.info.is_main, categories=categories

@@ -22,7 +22,7 @@ from service.settings import Settings
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer peagle_sk_...`")
 
 
-def get_settings(request: Request) -> Settings:
+def get_app_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
@@ -51,11 +51,11 @@ def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
-AppSettings = Annotated[Settings, Depends(get_settings)]
+AppSettings = Annotated[Settings, Depends(get_app_settings)]
 Sessions = Annotated[sessionmaker[Session], Depends(get_sessions)]
 DB = Annotated[Session, Depends(get_db)]
 RedisConn = Annotated[Redis, Depends(get_redis)]
-Store = Annotated[ArtifactStore, Depends(get_store)]
+AppStore = Annotated[ArtifactStore, Depends(get_store)]
 AppMetrics = Annotated[Metrics, Depends(get_metrics)]
 
 

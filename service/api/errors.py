@@ -197,7 +197,7 @@ async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
     return ApiError(500, "internal server error", code="internal_error", type_="api_error").response()
 
 
-def install(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     """Register every handler on `app`."""
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -50,7 +50,7 @@ def remember(session: Session, project_id: str, key: str, body_hash: str, job_id
     return row
 
 
-def purge_expired(session: Session) -> int:
+def purge_expired_keys(session: Session) -> int:
     """Delete every record older than TTL (the caller commits); returns how many."""
     result = session.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < utcnow() - TTL))
     return result.rowcount or 0

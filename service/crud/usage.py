@@ -128,7 +128,7 @@ def forget_job(session: Session, job_id: str) -> None:
     session.execute(delete(StorageUsage).where(StorageUsage.job_id == job_id))
 
 
-def purge_expired(session: Session) -> int:
+def purge_expired_reservations(session: Session) -> int:
     """Delete reservations past their expiry; the caller commits."""
     result = session.execute(
         delete(StorageUsage).where(StorageUsage.expires_at.is_not(None), StorageUsage.expires_at <= utcnow())

@@ -1,5 +1,5 @@
 """The web dashboard under /ui: server-rendered pages (Jinja2), plotly.js from the plotly wheel, a little
-script for live updates. `install(app)` adds it to the API app; `GET /` redirects to it."""
+script for live updates. `install_dashboard(app)` adds it to the API app; `GET /` redirects to it."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class _StaticFiles(StaticFiles):
         return response
 
 
-def install(app: FastAPI) -> None:
+def install_dashboard(app: FastAPI) -> None:
     """Mount the dashboard on `app`."""
 
     @app.get("/", include_in_schema=False)

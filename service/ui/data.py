@@ -14,7 +14,7 @@ from pydantic import Field
 
 from service.api import actions, schemas
 from service.api.body_route import BodyRoute
-from service.api.deps import DB, AppSettings, Sessions, Store
+from service.api.deps import DB, AppSettings, AppStore, Sessions
 from service.api.errors import not_found
 from service.api.routes import checkpoints as checkpoints_api
 from service.api.routes import jobs as jobs_api
@@ -88,7 +88,7 @@ def events(
 async def upload_dataset_from_page(
     request: Request,
     db: DB,
-    store: Store,
+    store: AppStore,
     settings: AppSettings,
     project: UiProject,
     format: Annotated[actions.DataFormat, Query()] = "auto",
@@ -99,7 +99,7 @@ async def upload_dataset_from_page(
 
 
 @router.get("/checkpoints/{checkpoint_id}/archive")
-def checkpoint_archive(checkpoint_id: str, db: DB, store: Store, project: UiProject):
+def checkpoint_archive(checkpoint_id: str, db: DB, store: AppStore, project: UiProject):
     return checkpoints_api.archive(checkpoint_id=checkpoint_id, db=db, store=store, project=project)
 
 
@@ -109,7 +109,7 @@ def checkpoint_file(
     name: str,
     request: Request,
     db: DB,
-    store: Store,
+    store: AppStore,
     project: UiProject,
     range: Annotated[str | None, Header()] = None,  # parsed as the API's: `byte_ranges.parse_range`
 ):
@@ -125,5 +125,5 @@ def checkpoint_file(
 
 
 @router.get("/jobs/{job_id}/tensorboard")
-def tensorboard(job_id: str, db: DB, store: Store, project: UiProject):
+def tensorboard(job_id: str, db: DB, store: AppStore, project: UiProject):
     return tracking_api.tensorboard_archive(job_id=job_id, db=db, store=store, project=project)

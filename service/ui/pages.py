@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from service.api import actions
 from service.api.auth_limit import AuthLimiter, client_address
 from service.api.body_route import BodyRoute
-from service.api.deps import DB, AppSettings, RedisConn, Store
+from service.api.deps import DB, AppSettings, AppStore, RedisConn
 from service.api.errors import ApiError
 from service.crud import checkpoints as checkpoints_crud
 from service.crud import datasets as datasets_crud
@@ -43,7 +43,7 @@ def _safe_next(target: str | None) -> str:
 
 
 def not_found_page(request: Request, session: UiSession, project: UiProject, what: str) -> HTMLResponse:
-    return views.render(request, "not_found.html", session, project, status_code=404, what=what)
+    return views.render_page(request, "not_found.html", session, project, status_code=404, what=what)
 
 
 # -- sign-in ---------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def not_found_page(request: Request, session: UiSession, project: UiProject, wha
 def login_form(
     request: Request, session: Session, next: Annotated[str | None, Query(max_length=2000)] = None
 ):
-    return views.render(request, "login.html", session, next=_safe_next(next), error=None)
+    return views.render_page(request, "login.html", session, next=_safe_next(next), error=None)
 
 
 @router.post("/login")
@@ -72,7 +72,7 @@ def login(
     try:
         limiter.check(source)
     except ApiError as exc:
-        page = views.render(
+        page = views.render_page(
             request, "login.html", session, status_code=429, next=_safe_next(next), error=exc.message
         )
         page.headers.update(exc.headers or {})
@@ -80,7 +80,7 @@ def login(
     key = live_key(db, api_key.strip())
     if key is None:
         limiter.failed(source)
-        return views.render(
+        return views.render_page(
             request,
             "login.html",
             session,
@@ -151,7 +151,7 @@ Listing = Annotated[JobListing, Depends(job_listing)]
 
 @router.get("/")
 def jobs_page(request: Request, session: Session, project: UiProject, listing: Listing):
-    return views.render(
+    return views.render_page(
         request,
         "jobs.html",
         session,
@@ -167,7 +167,7 @@ def jobs_page(request: Request, session: Session, project: UiProject, listing: L
 
 @router.get("/fragments/jobs")
 def jobs_fragment(request: Request, session: Session, project: UiProject, listing: Listing):
-    return views.render(request, "_job_rows.html", session, project, rows=listing.rows)
+    return views.render_page(request, "_job_rows.html", session, project, rows=listing.rows)
 
 
 def _panel_context(db: DB, job_id: str, project_id: str) -> dict | None:
@@ -245,7 +245,7 @@ def _editor_page(
 ) -> Response:
     """The spec editor showing `text`, its errors and resolved spec; a resubmitted form keeps its
     idempotency key (a double submit creates one job), a fresh form gets a new one."""
-    return views.render(
+    return views.render_page(
         request,
         "new_job.html",
         session,
@@ -270,7 +270,9 @@ def job_page(request: Request, session: Session, project: UiProject, db: DB, job
         "depths": depths,
         "terminal": job.status in TERMINAL_STATUSES,
     }
-    return views.render(request, "job.html", session, project, nav="jobs", page_data=page_data, **context)
+    return views.render_page(
+        request, "job.html", session, project, nav="jobs", page_data=page_data, **context
+    )
 
 
 @router.get("/jobs/{job_id}/panel")
@@ -286,7 +288,7 @@ def job_panel(
     context = _panel_context(db, job_id, project.id)
     if context is None:
         return not_found_page(request, session, project, f"job {job_id}")
-    return views.render(request, f"_job_{part}.html", session, project, **context)
+    return views.render_page(request, f"_job_{part}.html", session, project, **context)
 
 
 @router.post("/jobs/{job_id}/cancel")
@@ -305,7 +307,7 @@ def cancel(
 
 @router.post("/jobs/{job_id}/delete")
 def delete_job_from_page(
-    session: Session, project: UiProject, db: DB, store: Store, job_id: str, csrf_token: CsrfField
+    session: Session, project: UiProject, db: DB, store: AppStore, job_id: str, csrf_token: CsrfField
 ) -> Response:
     """The API's delete: a finished job's files, then its rows; an unfinished one answers the API's 409."""
     check_csrf(session, csrf_token)
@@ -333,7 +335,7 @@ def compare_page(
     page = jobs_crud.list_job_rows(db, project.id, status=None, after=None, limit=PAGE_SIZE)
     recent = page[0] if page else []
     page_data = {"jobs": [{"id": j.id, "name": j.name or j.id} for j in chosen]}
-    return views.render(
+    return views.render_page(
         request,
         "compare.html",
         session,
@@ -354,7 +356,7 @@ def compare_page(
 def datasets_page(request: Request, session: Session, project: UiProject, db: DB, after: Cursor = None):
     page = datasets_crud.list_dataset_rows(db, project.id, after=after, limit=PAGE_SIZE)
     rows, has_more = page if page is not None else ([], False)
-    return views.render(
+    return views.render_page(
         request,
         "datasets.html",
         session,
@@ -367,7 +369,7 @@ def datasets_page(request: Request, session: Session, project: UiProject, db: DB
 
 @router.post("/datasets/{dataset_id}/delete")
 def delete_dataset_from_page(
-    session: Session, project: UiProject, db: DB, store: Store, dataset_id: str, csrf_token: CsrfField
+    session: Session, project: UiProject, db: DB, store: AppStore, dataset_id: str, csrf_token: CsrfField
 ) -> Response:
     """The API's delete: a dataset an unfinished job will read answers the API's 409."""
     check_csrf(session, csrf_token)

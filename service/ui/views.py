@@ -53,7 +53,7 @@ def age(value: datetime | None, now: datetime | None = None) -> str:
     return f"{seconds} s ago"
 
 
-def duration(seconds: float | None) -> str:
+def elapsed_text(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "—"
     seconds = int(seconds)
@@ -75,11 +75,11 @@ def size(n: int | None) -> str:
     return f"{n} B"
 
 
-templates.env.filters.update(age=age, duration=duration, size=size)
+templates.env.filters.update(age=age, duration=elapsed_text, size=size)
 templates.env.globals.update(STATUS_SYMBOLS=STATUS_SYMBOLS, CSRF_FIELD=CSRF_FIELD)
 
 
-def render(
+def render_page(
     request: Request,
     name: str,
     session: UiSession,

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from service.api import schemas
 from service.api.body_route import BodyRoute
 from service.api.byte_ranges import parse_range
-from service.api.deps import DB, CurrentProject, Store
+from service.api.deps import DB, AppStore, CurrentProject
 from service.api.errors import ApiError, not_found
 from service.api.tarstream import tar_plan, tar_stream
 from service.crud.checkpoints import get_checkpoint
@@ -49,7 +49,9 @@ def checkpoint(checkpoint_id: str, db: DB, project: CurrentProject) -> schemas.C
     responses=_ERRORS,
     summary="Delete a checkpoint (its files, then its row)",
 )
-def delete_checkpoint(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+def delete_checkpoint(
+    checkpoint_id: str, db: DB, store: AppStore, project: CurrentProject
+) -> schemas.Deleted:
     delete_checkpoint_with_files(db, store, _checkpoint_or_404(db, project.id, checkpoint_id))
     db.commit()
     return schemas.Deleted(id=checkpoint_id, object="checkpoint")
@@ -64,7 +66,7 @@ def delete_checkpoint(checkpoint_id: str, db: DB, store: Store, project: Current
     response_class=StreamingResponse,
     summary="Download the checkpoint directory as a tar stream",
 )
-def archive(checkpoint_id: str, db: DB, store: Store, project: CurrentProject) -> StreamingResponse:
+def archive(checkpoint_id: str, db: DB, store: AppStore, project: CurrentProject) -> StreamingResponse:
     ckpt = _checkpoint_or_404(db, project.id, checkpoint_id)
     # The checkpoint's files under a top directory named after it, stamped with its publication time.
     plan, total = tar_plan(ckpt.id, ckpt.files, int(ckpt.created_at.timestamp()))
@@ -103,7 +105,7 @@ def file(
     name: str,
     request: Request,
     db: DB,
-    store: Store,
+    store: AppStore,
     project: CurrentProject,
     range: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> StreamingResponse:

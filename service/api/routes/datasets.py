@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request
 
 from service.api import actions, schemas
 from service.api.body_route import BodyRoute
-from service.api.deps import DB, AppSettings, CurrentProject, Store
+from service.api.deps import DB, AppSettings, AppStore, CurrentProject
 from service.api.errors import ApiError, not_found
 from service.crud import datasets as crud
 
@@ -53,7 +53,7 @@ _UPLOAD_BODY = {
 async def upload_dataset(
     request: Request,
     db: DB,
-    store: Store,
+    store: AppStore,
     settings: AppSettings,
     project: CurrentProject,
     format: Annotated[actions.DataFormat, Query()] = "auto",
@@ -99,7 +99,7 @@ def get_dataset(dataset_id: str, db: DB, project: CurrentProject) -> schemas.Dat
     summary="Delete a dataset (its file, then its row)",
     description="A dataset that a queued or running job will read answers 409 naming the job.",
 )
-def delete_dataset(dataset_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+def delete_dataset(dataset_id: str, db: DB, store: AppStore, project: CurrentProject) -> schemas.Deleted:
     actions.delete_dataset_request(
         actions.DeleteDataset(project=project, dataset_id=dataset_id), db=db, store=store
     )

@@ -15,7 +15,15 @@ from sqlalchemy.orm import Session
 
 from service.api import actions, schemas
 from service.api.body_route import BodyRoute
-from service.api.deps import DB, AppSettings, CurrentProject, RedisConn, Sessions, Store, presented_key_hash
+from service.api.deps import (
+    DB,
+    AppSettings,
+    AppStore,
+    CurrentProject,
+    RedisConn,
+    Sessions,
+    presented_key_hash,
+)
 from service.api.errors import ApiError, not_found
 from service.api.quotas import StreamSlots
 from service.api.request_text import MAX_IDEMPOTENCY_KEY_CHARS
@@ -159,7 +167,7 @@ def cancel_job(job_id: str, db: DB, redis: RedisConn, project: CurrentProject) -
     description="Only a succeeded, failed or cancelled job can be deleted (409 otherwise). Its published "
     "checkpoints and work files are removed from the artifact store first, then its rows.",
 )
-def delete_job(job_id: str, db: DB, store: Store, project: CurrentProject) -> schemas.Deleted:
+def delete_job(job_id: str, db: DB, store: AppStore, project: CurrentProject) -> schemas.Deleted:
     actions.delete_job_request(actions.JobAction(project=project, job_id=job_id), db=db, store=store)
     return schemas.Deleted(id=job_id, object="job")
 

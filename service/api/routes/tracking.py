@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from service.api import schemas
 from service.api.body_route import BodyRoute
-from service.api.deps import DB, CurrentProject, Store
+from service.api.deps import DB, AppStore, CurrentProject
 from service.api.errors import ApiError, not_found
 from service.api.tarstream import tar_plan, tar_stream
 from service.crud.jobs import get_job_row
@@ -29,7 +29,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=BodyRoute)
     description="Present when the spec has `tracking.report_to: [tensorboard]`; while the job runs, the "
     "archive holds the events logged so far.",
 )
-def tensorboard_archive(job_id: str, db: DB, store: Store, project: CurrentProject) -> StreamingResponse:
+def tensorboard_archive(job_id: str, db: DB, store: AppStore, project: CurrentProject) -> StreamingResponse:
     job = get_job_row(db, project.id, job_id)
     if job is None:
         raise not_found("job", job_id)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from peagle_core.data.chat import encode, render, tokenize_conversation
+from peagle_core.data.chat import encode, render_chat, tokenize_conversation
 from peagle_core.data.formats import parse_row
 from peagle_core.data.prepare import prepare_dataset
 from peagle_core.data.tokens import PrefixTokenizer
@@ -54,13 +54,15 @@ def reference(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int]
             i += 1
         return i
 
-    ids = encode(tokenizer, render(tokenizer, messages))
+    ids = encode(tokenizer, render_chat(tokenizer, messages))
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = common(ids, encode(tokenizer, render(tokenizer, messages[:i], add_generation_prompt=True)))
-        end = common(ids, encode(tokenizer, render(tokenizer, messages[: i + 1])))
+        start = common(
+            ids, encode(tokenizer, render_chat(tokenizer, messages[:i], add_generation_prompt=True))
+        )
+        end = common(ids, encode(tokenizer, render_chat(tokenizer, messages[: i + 1])))
         for t in range(start, end):
             mask[t] = 1
     return ids, mask

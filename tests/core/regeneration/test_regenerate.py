@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle_core.data.chat import encode, render
+from peagle_core.data.chat import encode, render_chat
 from peagle_core.data.formats import iter_rows
 from peagle_core.regeneration.generators import TransformersGenerator
 from peagle_core.regeneration.rewrite import (
@@ -58,7 +58,7 @@ def _greedy(verifier, messages: list[dict[str, str]], n: int) -> str:
     from peagle_core.evaluation.acceptance import greedy_decode
 
     tok = verifier.tokenizer
-    prompt = torch.tensor(encode(tok, render(tok, messages, add_generation_prompt=True)))
+    prompt = torch.tensor(encode(tok, render_chat(tok, messages, add_generation_prompt=True)))
     ids = greedy_decode(verifier, prompt, n, tok.eos_token_id)
     ids = ids[: ids.index(tok.eos_token_id)] if tok.eos_token_id in ids else ids
     return tok.decode(ids, skip_special_tokens=True)
@@ -130,7 +130,7 @@ def test_a_second_run_reuses_the_result(reference: Path, chat_data: Path, toy_ve
 def first_prompt(tok, messages: list[dict[str, str]]) -> list[int]:
     """The tokens the verifier sees before a conversation's first answer: through its first user turn."""
     upto = 1 if messages[0]["role"] == "user" else 2
-    return encode(tok, render(tok, messages[:upto], add_generation_prompt=True))
+    return encode(tok, render_chat(tok, messages[:upto], add_generation_prompt=True))
 
 
 def test_edge_cases_are_counted_not_raised(toy_verifier, chat_data: Path, tmp_path: Path) -> None:

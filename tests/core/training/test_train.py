@@ -307,7 +307,7 @@ def test_categorised_prompts_are_evaluated_per_category_and_pool_to_the_whole(
     from peagle_core.evaluation.acceptance import evaluate
     from peagle_core.spec import parse_spec
     from peagle_core.toy import build_corpus
-    from peagle_core.training.builders import eval_prompts
+    from peagle_core.training.builders import heldout_prompt_tokens
 
     users = [
         next(m["content"] for m in c["messages"] if m["role"] == "user") for c in build_corpus(seed=0)[-3:]
@@ -331,7 +331,7 @@ def test_categorised_prompts_are_evaluated_per_category_and_pool_to_the_whole(
     assert {c: v["num_prompts"] for c, v in r3["categories"].items()} == {"a": 2, "uncategorised": 1}
     assert sum(v["drafts"] for v in r3["categories"].values()) == r3["verifier_passes"]
     # Decoding the categories apart changes nothing: the pooled figures are the ungrouped evaluation's.
-    whole = evaluate(result.model, toy_verifier, eval_prompts(spec, None, [], toy_verifier), 3, 8,
+    whole = evaluate(result.model, toy_verifier, heldout_prompt_tokens(spec, None, [], toy_verifier), 3, 8,
                      toy_verifier.tokenizer.eos_token_id)  # fmt: skip
     assert r3["acceptance_length"] == pytest.approx(whole.acceptance_length)
     assert r3["acceptance_rate_per_position"] == pytest.approx(whole.acceptance_rate_per_position)
