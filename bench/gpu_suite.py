@@ -144,6 +144,7 @@ CAPS = {
     "train_throughput": 150,  # bench/train_throughput.py at SmolLM2's shape: today's path, the new one, speculators
     "hidden_states_engines": 240,  # two vLLM starts (toy, SmolLM2 when carried) and the builds
     "real_model": 480,  # bench/real_model.py at a GPU's scale: regenerate, train, MT-Bench in vLLM and ours
+    "vs_reference": 420,  # bench/vs_reference.py: ours and speculators' at equal tokens and time, in vLLM
     "scale": 120,  # bench/scale.py --quick: a torchrun launch per sharding and world size
 }
 OVERFIT_RATIO = 0.15  # the CPU dry run reaches ~0.09 in 120 steps at lr 1e-2
@@ -426,6 +427,14 @@ def real_model(ctx: Context, cap_s: float) -> dict[str, Any]:
     args = ["--work", str(ctx.work / "real-model"), "--epochs", "4", "--repeats", "3"]
     lines = _bench_child("real_model.py", args, cap_s)
     return {"figures": [x for x in lines if x.get("stage") != "spec"]}
+
+
+def vs_reference(ctx: Context, cap_s: float) -> dict[str, Any]:
+    """bench/vs_reference.py's equal-tokens comparison at a small budget (our trainer against speculators
+    0.9's P-EAGLE parts on the same SmolLM2 cache, both served by vLLM), in a child process."""
+    args = ["--work", str(ctx.work / "vs-reference"), "--tokens", "2e5", "--seeds", "2", "--eval-prompts", "80",
+            "--timing-prompts", "8", "--rounds", "2"]  # fmt: skip
+    return {"figures": _bench_child("vs_reference.py", args, cap_s)}
 
 
 def _cuda_test_files() -> list[Path]:
@@ -1163,6 +1172,11 @@ def _run(suite: Suite, args: argparse.Namespace, work: Path) -> int:
         needs=("device", "peagle_core", "vllm_cuda"),
     )
     suite.stage("real_model", lambda cap: real_model(ctx, cap), needs=("device", "peagle_core", "vllm_cuda"))
+    suite.stage(
+        "vs_reference",
+        lambda cap: vs_reference(ctx, cap),
+        needs=("device", "peagle_core", "vllm_cuda", "speculators"),
+    )
     suite.stage("scale", lambda cap: scale(ctx, cap), needs=("device", "peagle_core"))
     # Last: a child process of its own, so whatever time is left goes to it after every figure is in.
     suite.stage("cuda_tests", lambda cap: cuda_tests(ctx, cap), needs=("device", "peagle_core", "pytest"))

@@ -96,7 +96,7 @@ def train_ours(args: argparse.Namespace, raw: dict[str, Any], name: str) -> tupl
 
 
 def reference_model(
-    verifier: Path, num_layers: int, layer_ids: list[int], t2d: torch.Tensor, d2t: torch.Tensor
+    verifier: Path, num_layers: int, layer_ids: list[int], t2d: torch.Tensor, d2t: torch.Tensor, *, cuda: bool
 ) -> Any:
     """speculators' P-EAGLE drafter as its CLI builds it by default, on our draft vocabulary and the cache's
     auxiliary layers."""
@@ -118,7 +118,8 @@ def reference_model(
         mask_token_id=resolve_mask_token_id(str(verifier), layer.vocab_size),
         norm_before_residual=True,  # its schema's default
         num_depths=K,
-        draft_attn_impl="sdpa",  # flex attention has no backward on a CPU
+        # its default on CUDA; flex attention has no backward on a CPU, where its SDPA path runs
+        draft_attn_impl="simple_flex_attention" if cuda else "sdpa",
     )
 
 
@@ -147,13 +148,15 @@ def train_reference(
 
     from peagle_core.model.precision import resolve_precision
 
-    data = RealData.of(pipeline)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = RealData.of(pipeline, device)
     spec = data.spec
-    ours = data.drafter()  # our draft vocabulary map for this data
+    ours = data.drafter(device)  # our draft vocabulary map for this data
     torch.manual_seed(spec.training.seed)
     layers = list(data.verifier.layer_ids)
-    model = reference_model(verifier_dir, spec.model.num_layers, layers, ours.t2d.clone(), ours.d2t.clone())
-    model.train()
+    t2d, d2t = ours.t2d.cpu().clone(), ours.d2t.cpu().clone()
+    model = reference_model(verifier_dir, spec.model.num_layers, layers, t2d, d2t, cuda=device.type == "cuda")
+    model.to(device).train()
     optimizers, schedulers = reference_optimizers(model, steps)
     kwargs = {
         "num_depths": K,
@@ -165,10 +168,11 @@ def train_reference(
     keys = ("hidden_states", "input_ids", "document_ids", "loss_mask", "position_ids",
             "verifier_last_hidden_states")  # fmt: skip
     # Its trainer autocasts to bf16; here only where bf16 is fast, as ours does (emulated bf16 only slows it).
-    bf16 = resolve_precision(spec.training.precision, torch.device("cpu")) == "bf16"
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    bf16 = resolve_precision(spec.training.precision, device) == "bf16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     t0 = time.monotonic()
     for i, batch in enumerate(data.batches(steps)):
+        batch = batch.to(device)
         with autocast:
             _, loss, _metrics = model(**{k: getattr(batch, k) for k in keys}, **kwargs)
         for o in optimizers:
@@ -192,10 +196,10 @@ def _export_reference(
     from peagle_core.model.drafter import PEagleDraftModel
     from peagle_core.serving.export import export_checkpoint
 
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("verifier_")}
+    state = {k: v.cpu() for k, v in model.state_dict().items() if not k.startswith("verifier_")}
     config = ours.config.model_copy(update={"mask_token_id": int(model.mask_token_id)})
     drafter = PEagleDraftModel(config)
-    drafter.load_state_dict(state, strict=True)
+    drafter.load_state_dict({**state, "d2t": ours.d2t.cpu(), "t2d": ours.t2d.cpu()}, strict=True)
     out = args.work / name / "export"
     if out.exists():
         import shutil
