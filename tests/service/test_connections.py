@@ -21,6 +21,7 @@ import pytest
 from peagle_core.processes import stop_process
 from tests.fixtures.servers import free_port, wait_until_healthy
 from tests.fixtures.stack import TEST_QUEUES
+from tests.fixtures.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0  # upper bound on any close or answer awaited here; a healthy run takes about a second
@@ -205,17 +206,23 @@ def test_one_address_holds_at_most_its_connection_cap(tight_api: str, db_url: st
             assert _status(other.recv(65536)) == 200
         held.pop().close()
         # Under the cap again once the server has seen that close (it learns of it asynchronously).
-        deadline = time.monotonic() + WAIT_S
-        while True:
+        answers = []
+
+        def admitted() -> bool:
             with _connect(tight_api) as again:
                 try:
                     again.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
-                    answer = again.recv(65536)
+                    answers.append(again.recv(65536))
                 except ConnectionResetError:  # still refused: the server has not seen the close yet
-                    answer = b""
-            if _status(answer) == 200:
-                break
-            assert time.monotonic() < deadline, answer
+                    answers.append(b"")
+            return _status(answers[-1]) == 200
+
+        wait_until(
+            admitted,
+            message=lambda: f"a connection under the cap again, last answer {answers[-1]!r}",
+            timeout=WAIT_S,
+            interval=0.01,
+        )
     finally:
         for sock in held:
             sock.close()

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 
 from peagle_core.processes import stop_process
+from tests.fixtures.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 PEAGLE = [sys.executable, "-m", "cli"]
@@ -152,20 +152,20 @@ class Stack:
             return list(rows)
 
     def wait_for(self, what: str, cond: Callable[[], Any], timeout: float = 240, every: float = 0.2) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> Any:
             value = cond()
-            if value:
-                return value
-            for p in self.procs:
+            for p in () if value else self.procs:  # a dead worker ends the wait: nothing will change now
                 if p.poll() not in (None, 0):
                     raise AssertionError(f"a worker exited with {p.returncode} while waiting for {what}")
-            time.sleep(every)
-        raise AssertionError(f"timed out waiting for {what}")
+            return value
+
+        return wait_until(ready, message=what, timeout=timeout, interval=every)
 
     def wait_status(self, job_id: str, *statuses: str, timeout: float = 240) -> Any:
         return self.wait_for(
-            f"{job_id} to be {statuses}", lambda: (j := self.job(job_id)).status in statuses and j
+            f"{job_id} to be {statuses}",
+            lambda: (j := self.job(job_id)).status in statuses and j,
+            timeout=timeout,
         )
 
     def stop_all(self) -> None:

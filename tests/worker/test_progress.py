@@ -4,8 +4,7 @@ writes evaluation metrics and stage changes at once, and loses nothing when the 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ from sqlalchemy import select
 from service.crud import jobstate
 from service.db.models import Job, JobMetric
 from service.db.session import session_factory
+from tests.fixtures.wait import DEFAULT_TIMEOUT_S, wait_until
 from worker.attempt import AttemptContext
 from worker.progress import ProgressWriter
 
@@ -32,7 +32,7 @@ class RecordingSessions:
     def __call__(self) -> Any:
         self.threads.append(threading.get_ident())
         self.entered.set()
-        self.gate.wait()
+        assert self.gate.wait(DEFAULT_TIMEOUT_S), "the test never reopened the database"
         if self.failures:
             self.failures -= 1
             raise ConnectionError("database went away")
@@ -58,13 +58,6 @@ def stored(sessions: Any, job_id: str) -> tuple[list[int], dict[str, Any]]:
     with sessions() as s:
         steps = s.scalars(select(JobMetric.step).where(JobMetric.job_id == job_id).order_by(JobMetric.id))
         return list(steps), s.get(Job, job_id).progress
-
-
-def wait_until(cond: Callable[[], Any], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def step(n: int, **extra: Any) -> dict[str, Any]:
@@ -107,7 +100,7 @@ def test_eval_metrics_are_written_without_waiting_for_the_interval(job) -> None:
         for n in range(1, 4):
             writer.on_metrics(step(n))
         writer.on_metrics({"step": 3, "eval/acceptance_length@2": 1.2})
-        wait_until(lambda: len(stored(sessions, job_id)[0]) == 4, "the eval row")
+        wait_until(lambda: len(stored(sessions, job_id)[0]) == 4, message="the eval row", timeout=30)
         assert stored(sessions, job_id)[1]["step"] == 3
     finally:
         writer.close()
@@ -124,7 +117,7 @@ def test_a_stalled_database_does_not_block_the_training_thread(job) -> None:
             target=lambda: [writer.on_metrics(step(n, **{"eval/x": 1.0})) for n in range(1, 501)]
         )
         trainer.start()
-        wait_until(recording.entered.is_set, "the writer to reach the database")
+        wait_until(recording.entered.is_set, message="the writer to reach the database", timeout=30)
         # The database holds the first write; the training thread keeps reporting regardless.
         trainer.join(timeout=60)
         assert not trainer.is_alive(), "on_metrics blocked on the database"
@@ -142,7 +135,7 @@ def test_a_full_queue_applies_back_pressure_instead_of_dropping(job) -> None:
     recording.gate.clear()
     trainer = threading.Thread(target=lambda: [writer.on_metrics(step(n)) for n in range(1, 21)])
     trainer.start()
-    wait_until(writer._queue.full, "the queue to fill while the database is stalled")
+    wait_until(writer._queue.full, message="the queue to fill while the database is stalled", timeout=30)
     assert trainer.is_alive()  # waiting for room, not dropping rows
     recording.gate.set()
     trainer.join(timeout=60)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 
 from tests.fixtures.archives import extract_archive
 from tests.fixtures.servers import free_port, wait_until_healthy
+from tests.fixtures.wait import wait_until
 from tests.worker.conftest import Stack, toy_spec
 
 pytest.importorskip("mlflow", reason="the trackers extra is not installed")
@@ -176,13 +176,6 @@ def _log_steps(sessions, job_id: str, steps: range, attempt: int = 1) -> int:
         return rows[-1].id
 
 
-def _until(what: str, cond: Any, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def _tensorboard_steps(store: Any, job_id: str, dest: Path) -> list[int]:
     from tensorboard.backend.event_processing import event_accumulator
 
@@ -227,14 +220,26 @@ def test_trackers_ride_out_a_database_outage_and_are_always_closed(
         trackers = JobTrackers(
             settings, AttemptContext(sessions, job_id, 1), store, project_id, spec, poll_s=0.2
         ).start()
-        _until("the first rows forwarded", lambda: trackers._cursor == last)
+        wait_until(
+            lambda: trackers._cursor == last, message="the first rows forwarded", timeout=120, interval=0.1
+        )
 
         pg.stop()
-        _until("the outage to outlast the retries", lambda: trackers._warned_db)
+        wait_until(
+            lambda: trackers._warned_db,
+            message="the outage to outlast the retries",
+            timeout=120,
+            interval=0.1,
+        )
         assert trackers._thread.is_alive()
         pg.start()
         last = _log_steps(sessions, job_id, range(6, 11))
-        _until("the thread to catch up", lambda: trackers._cursor == last and not trackers._pending)
+        wait_until(
+            lambda: trackers._cursor == last and not trackers._pending,
+            message="the thread to catch up",
+            timeout=120,
+            interval=0.1,
+        )
         with sessions() as s:
             assert jobstate.transition(s, job_id, "succeeded", expect=("running",), fence=1, event="done")
         trackers.finish()

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -240,6 +239,8 @@ _CHILD = textwrap.dedent(
 
 
 def test_build_killed_with_sigkill_resumes_to_identical_cache(tmp_path: Path) -> None:
+    from tests.fixtures.wait import wait_until  # here: _CHILD imports this module without the tests package
+
     ds = SyntheticTokens(30)
     kw = {"dtype": "bf16", "batch_size": 4, "shard_bytes": 6_000}
     build_cache(tmp_path / "oneshot", ds, ComputeBackend(synthetic_compute(ds)), FP, **kw)
@@ -248,12 +249,13 @@ def test_build_killed_with_sigkill_resumes_to_identical_cache(tmp_path: Path) ->
     script.write_text(_CHILD.format(tests=str(Path(__file__).parent)))
     marker = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "killed"), str(marker)])
+
+    def at_second_shard() -> bool:
+        assert proc.poll() is None, "the build exited before it could be killed"
+        return marker.exists()
+
     try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, "the build exited before it could be killed"
-            assert time.monotonic() < deadline, "the build never reached its second shard"
-            time.sleep(0.05)
+        wait_until(at_second_shard, message="the build to reach its second shard", timeout=120)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()

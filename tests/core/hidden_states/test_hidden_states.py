@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ from peagle_core.hidden_states.loader import (
     VerifierCompute,
 )
 from peagle_core.hidden_states.verifier import Verifier
+from tests.fixtures.wait import wait_until
 
 TOTAL_SEQ_LEN = 512
 
@@ -255,9 +255,7 @@ def test_batch_loader_prefetches_ahead_and_resumes_at_start(ds, built, fp) -> No
     it = iter(BatchLoader(ds, src, bins, total_seq_len=TOTAL_SEQ_LEN, prefetch=2))
     first = next(it)
     # while the consumer holds batch 0, the thread keeps preparing batches 1 and 2
-    deadline = time.monotonic() + 60
-    while len(src.fetched) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(src.fetched) >= 3, message="batches 1 and 2 to be prefetched", interval=0.01)
     assert src.fetched[:3] == bins[:3]
     assert first.sample_indices == bins[0]
     it.close()

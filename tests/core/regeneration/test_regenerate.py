@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from peagle_core.regeneration.rewrite import (
     rewrite_dataset,
     work_log_path,
 )
+from tests.fixtures.wait import wait_until
 
 NEW_TOKENS = 12  # tiny answers keep every test here to seconds
 ROWS = 12
@@ -180,13 +180,12 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     log = work_log_path(out)
-    deadline = time.monotonic() + 300
-    # kill once some conversations are appended and more are still to come
-    while time.monotonic() < deadline and proc.poll() is None:
-        if log.is_file() and len(log.read_bytes().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be killed"
+
+    def some_appended() -> bool:  # kill once some conversations are appended and more are still to come
+        assert proc.poll() is None, "the run finished before it could be killed"
+        return log.is_file() and len(log.read_bytes().splitlines()) >= 3
+
+    wait_until(some_appended, message="three conversations appended", timeout=300)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = len(log.read_bytes().splitlines()) - 1

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from peagle_core.spec import JobSpec
 from peagle_core.training.loop import train
 from peagle_core.training.resume import latest_checkpoint
 from tests.core.helpers import assert_same_weights, final_weights, make_spec
+from tests.fixtures.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -141,12 +141,13 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(
         stderr=subprocess.PIPE,
         text=True,
     )
+
+    def checkpointed() -> bool:
+        assert proc.poll() is None, proc.stderr.read()
+        return (out / "checkpoints" / "latest").exists()
+
     try:
-        deadline = time.monotonic() + 300
-        while not (out / "checkpoints" / "latest").exists():
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
+        wait_until(checkpointed, message="the first checkpoint", timeout=300)
         assert proc.stdout.readline().strip() == "STALLED"  # past the step-2 checkpoint, before step 4's
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=60) == -signal.SIGKILL

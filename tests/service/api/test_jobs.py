@@ -14,6 +14,7 @@ from service.crud.events import add_event
 from service.crud.metrics import add_metrics
 from service.db.models import Job
 from service.db.session import session_factory
+from tests.fixtures.wait import DEFAULT_TIMEOUT_S
 from tests.service.conftest import create_job
 
 
@@ -121,7 +122,7 @@ def test_idempotency_replay_and_conflict(client, auth, other_auth, spec) -> None
 def test_concurrent_idempotent_posts_create_one_job(client, auth, spec) -> None:
     codes: list[int] = []
     ids: list[str] = []
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(4, timeout=DEFAULT_TIMEOUT_S)
 
     def post() -> None:
         barrier.wait()
@@ -133,7 +134,8 @@ def test_concurrent_idempotent_posts_create_one_job(client, auth, spec) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(DEFAULT_TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
     assert sorted(codes) == [200, 200, 200, 201] and len(set(ids)) == 1
 
 
@@ -255,7 +257,8 @@ def test_events_sse_follows_until_terminal(client, auth, spec, db_url) -> None:
             received.append(block)
             block = {}
             done.set()
-    worker.join()
+    worker.join(DEFAULT_TIMEOUT_S)
+    assert not worker.is_alive(), "the job never finished"
     kinds = [b.get("event") for b in received]
     assert kinds[-1] == "end" and json.loads(received[-1]["data"])["status"] == "succeeded"
     messages = [json.loads(b["data"])["message"] for b in received[:-1]]

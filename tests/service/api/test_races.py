@@ -17,8 +17,9 @@ from sqlalchemy import select
 
 from service.db.models import Checkpoint, Job
 from service.db.session import session_factory
-from tests.service.conftest import create_job
+from tests.fixtures.wait import DEFAULT_TIMEOUT_S
 from tests.service.api.test_doors import _jsonl
+from tests.service.conftest import create_job
 
 ROUNDS = 6
 REQUESTS = 16  # per round: 6 x 16 = 96 requests, as the probe fired
@@ -38,7 +39,7 @@ def client(make_settings: Any, redis_conn: Any) -> Iterator[Any]:
 
 def _fire(calls: list[Callable[[], Any]]) -> list[Any]:
     """Run `calls` at once (released together by a barrier); their responses, in order."""
-    barrier = threading.Barrier(len(calls))
+    barrier = threading.Barrier(len(calls), timeout=DEFAULT_TIMEOUT_S)
     answers: list[Any] = [None] * len(calls)
 
     def run(i: int) -> None:

@@ -12,6 +12,7 @@ from service.crud.jobs import create_job_row
 from service.crud.projects import get_or_create_project
 from service.db.models import Job, JobEvent
 from service.db.session import session_factory
+from tests.fixtures.wait import DEFAULT_TIMEOUT_S
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_terminal_states_have_no_exits() -> None:
 def test_concurrent_claims_have_exactly_one_winner(db_url: str, job_id: str) -> None:
     factory = session_factory(db_url)
     results: list[bool] = []
-    barrier = threading.Barrier(4)
+    barrier = threading.Barrier(4, timeout=DEFAULT_TIMEOUT_S)
 
     def claim(name: str) -> None:
         with factory() as s:
@@ -88,7 +89,8 @@ def test_concurrent_claims_have_exactly_one_winner(db_url: str, job_id: str) -> 
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(DEFAULT_TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
     assert sorted(results) == [False, False, False, True]
     with factory() as s:
         events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "status")).all()

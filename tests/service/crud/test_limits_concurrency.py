@@ -21,6 +21,7 @@ from service.crud.locks import lock_project
 from service.crud.projects import create_key, project_for_key
 from service.db.models import Job, Project, StorageUsage
 from service.db.session import session_factory
+from tests.fixtures.wait import DEFAULT_TIMEOUT_S, until
 
 N = 12
 ROW = json.dumps(
@@ -30,7 +31,7 @@ ROW = json.dumps(
 
 def fire(n: int, request: Callable[[int], Any]) -> list[int]:
     """Send `n` requests at once (released together by a barrier); their status codes."""
-    barrier = threading.Barrier(n)
+    barrier = threading.Barrier(n, timeout=DEFAULT_TIMEOUT_S)
 
     def one(i: int) -> int:
         barrier.wait()
@@ -273,7 +274,7 @@ def test_one_caller_holds_at_most_its_share_of_writes_in_flight() -> None:
         inside += 1
         if inside == 2:
             entered.set()
-        await release.wait()
+        await asyncio.wait_for(release.wait(), DEFAULT_TIMEOUT_S)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
@@ -282,12 +283,11 @@ def test_one_caller_holds_at_most_its_share_of_writes_in_flight() -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             key = {"Authorization": "Bearer a"}
             held = [asyncio.create_task(c.post("/x", headers=key)) for _ in range(2)]
-            await entered.wait()
+            await asyncio.wait_for(entered.wait(), DEFAULT_TIMEOUT_S)
             refused = await c.post("/x", headers=key)  # answered at once, while both still wait
             other = asyncio.create_task(c.post("/x", headers={"Authorization": "Bearer b"}))
             read = asyncio.create_task(c.get("/x", headers=key))  # reads are not capped
-            while inside < 4:
-                await asyncio.sleep(0)
+            await until(lambda: inside >= 4, message="the other key's write and the read to be let in")
             release.set()
             codes = [r.status_code for r in await asyncio.gather(*held, other, read)]
             return codes, refused.status_code, refused.json()["error"]["code"] == "too_many_in_flight"
