@@ -66,6 +66,12 @@ def main() -> None:
     parser.add_argument(
         "--real-work", type=Path, default=Path("bench-throughput-real"), help="real data, reused"
     )
+    parser.add_argument(
+        "--real-store", type=Path, help="a store with the data and cache already made (another bench's)"
+    )
+    parser.add_argument(
+        "--real-tokens", type=float, help="the real data's token budget (default: enough for the timed steps)"
+    )
     parser.add_argument("--num-depths", type=int, default=SMOLLM2_DRAFTER["num_depths"], help="K (smollm2)")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="ours' optimizer")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a child's one variant
@@ -88,7 +94,8 @@ def main() -> None:
             child = [__file__, "--variant", variant, "--shape", args.shape, "--steps", str(args.steps),
                      "--warmup", str(args.warmup), "--seq-len", str(args.seq_len), "--data-kind", kind,
                      "--real-work", str(args.real_work), "--num-depths", str(args.num_depths),
-                     "--optimizer", args.optimizer]  # fmt: skip
+                     "--optimizer", args.optimizer, "--real-tokens", str(args.real_tokens or 0),
+                     *(["--real-store", str(args.real_store)] if args.real_store else [])]  # fmt: skip
             env_note = {"PEAGLE_COMPILE": "0"} if variant == "today" else {}
             name = variant if kind == "synthetic" else f"{variant}/real"
             try:
@@ -140,7 +147,8 @@ def real_spec(args: argparse.Namespace) -> dict[str, Any]:
     from peagle_core.recipes.preset import load_recipe
 
     recipe = load_recipe()
-    tokens = int(1.3 * (args.steps + args.warmup) * args.seq_len)  # packing leaves some room in each row
+    # Packing leaves some room in each row; a budget another bench used finds its data and cache.
+    tokens = int(args.real_tokens or 1.3 * (args.steps + args.warmup) * args.seq_len)
     data = sharegpt_by_tokens(tokens, int(recipe.value("dataset.seq_len")))
     overrides = {"model.num_depths": args.num_depths, "training.total_seq_len": args.seq_len,
                  "training.max_steps": 1, "export.vllm_check": False}  # fmt: skip
@@ -154,8 +162,12 @@ def prepare_real_data(args: argparse.Namespace) -> None:
     from _real_data import prepared_pipeline
 
     raw = real_spec(args)
-    prepared_pipeline(raw, args.real_work / "run", args.real_work / "store")
+    prepared_pipeline(raw, args.real_work / "run", _real_store(args))
     (args.real_work / "spec.json").write_text(json.dumps(raw))
+
+
+def _real_store(args: argparse.Namespace) -> Path:
+    return args.real_store or args.real_work / "store"
 
 
 def _real_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any]:
@@ -168,7 +180,7 @@ def _real_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, An
     from peagle_core.training.builders import build_teacher
 
     spec = parse_spec(json.loads((args.real_work / "spec.json").read_text()))
-    pipeline = Pipeline.of(spec, args.real_work / "run", store=LocalStore(args.real_work / "store"))
+    pipeline = Pipeline.of(spec, args.real_work / "run", store=LocalStore(_real_store(args)))
     data = RealData.of(pipeline, device)
     model = data.drafter(device).train()
     teacher = build_teacher(data.verifier, model)
