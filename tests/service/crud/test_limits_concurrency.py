@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from service.crud.limits import set_limits, storage_used
@@ -211,16 +211,23 @@ def test_the_project_lock_is_a_real_lock(db_url, api_key) -> None:
     with sessions() as holder, sessions() as other:
         assert lock_project(holder, project.id) is not None
         if other.bind.dialect.name == "sqlite":
-            other.execute(text("PRAGMA busy_timeout = 0"))  # fail at once rather than wait for the holder
-            with pytest.raises(OperationalError, match="locked"):
-                lock_project(other, project.id)
+            # Fail at once rather than wait for the holder. busy_timeout belongs to the pooled connection,
+            # not to the transaction: it is set back on this same connection, whatever happens, or the
+            # session-wide engine hands a later test's request a connection that fails "database is
+            # locked" (a 503) at the first contention instead of waiting.
+            raw = other.connection().connection.dbapi_connection
+            busy_ms = raw.execute("PRAGMA busy_timeout").fetchone()[0]
+            raw.execute("PRAGMA busy_timeout = 0")
+            try:
+                with pytest.raises(OperationalError, match="locked"):
+                    lock_project(other, project.id)
+            finally:
+                raw.execute(f"PRAGMA busy_timeout = {busy_ms}")
         else:
             with pytest.raises(OperationalError, match="could not obtain lock"):
                 other.execute(select(Project).where(Project.id == project.id).with_for_update(nowait=True))
         other.rollback()
         holder.commit()
-        if other.bind.dialect.name == "sqlite":
-            other.execute(text("PRAGMA busy_timeout = 30000"))
         assert lock_project(other, project.id) is not None  # free once the holder's transaction ends
         other.rollback()
 
