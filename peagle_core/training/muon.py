@@ -8,13 +8,78 @@ optimizer is handed the outer's group dicts and state, so a scheduler's `lr` and
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from peagle_core.model.precision import has_fast_bf16
+
+
+def newton_schulz(
+    grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Muon's orthogonalization of a 2-D update, as torch's Muon computes it, in `dtype` (torch fixes bf16)."""
+    a, b, c = coefficients
+    x = grad.to(dtype)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, rule: str | None, shape: torch.Size) -> float:
+    """torch's Muon learning-rate adjustment for a [A, B] matrix (`adjust_lr_fn`)."""
+    rows, cols = shape[:2]
+    if rule is None or rule == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if rule == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+class Muon(torch.optim.Muon):
+    """torch's Muon (its groups, state and update rule) with the Newton-Schulz iterations in `ns_dtype`.
+
+    torch runs them in bf16, which is right where bf16 matmuls are fast (CUDA, AMX or AVX512-BF16). A CPU
+    without either emulates bf16: there the orthogonalization took ~90% of a SmolLM2-shaped K=2 step
+    (py-spy, AVX2 EPYC, docs/decisions.md), so it runs in fp32 instead, exact to a few ulps of bf16.
+    """
+
+    def __init__(self, params: Any, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = float(group["lr"]), group["momentum"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(param.grad, 1 - momentum)
+                update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                       self.ns_dtype)  # fmt: skip
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+        return loss
+
 
 class MuonAdamW(torch.optim.Optimizer):
-    """`muon_groups` stepped by torch's Muon (matched to AdamW's update RMS, so AdamW's lr and weight decay
+    """`muon_groups` stepped by Muon (torch's, Newton-Schulz in bf16 only where bf16 is fast) (matched to AdamW's update RMS, so AdamW's lr and weight decay
     carry over), `adamw_groups` by fused AdamW with `betas`."""
 
     def __init__(
@@ -25,7 +90,9 @@ class MuonAdamW(torch.optim.Optimizer):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.95),
     ):
-        muon = torch.optim.Muon(muon_groups, lr=lr, adjust_lr_fn="match_rms_adamw")
+        device = next((p.device for g in muon_groups for p in g["params"]), torch.device("cpu"))
+        ns_dtype = torch.bfloat16 if has_fast_bf16(device) else torch.float32
+        muon = Muon(muon_groups, lr=lr, adjust_lr_fn="match_rms_adamw", ns_dtype=ns_dtype)
         adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, fused=True)
         for group in muon.param_groups:
             group["kind"] = "muon"
