@@ -32,6 +32,14 @@ def newton_schulz(
     return x.T if tall else x
 
 
+def closure_loss(closure: Any) -> Any:
+    """An optimizer's `closure` re-evaluated with grad enabled (the step itself runs without)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def adjusted_lr(lr: float, rule: str | None, shape: torch.Size) -> float:
     """torch's Muon learning-rate adjustment for a [A, B] matrix (`adjust_lr_fn`)."""
     rows, cols = shape[:2]
@@ -56,10 +64,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), group["momentum"]
             for param in group["params"]:
@@ -114,10 +119,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for inner in self._inner.values():
             if inner.param_groups:
                 inner.step()
