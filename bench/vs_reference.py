@@ -211,7 +211,7 @@ def _export_reference(
     state = {k: v.cpu() for k, v in model.state_dict().items() if not k.startswith("verifier_")}
     config = ours.config.model_copy(update={"mask_token_id": int(model.mask_token_id)})
     drafter = PEagleDraftModel(config)
-    drafter.load_state_dict({**state, "d2t": ours.d2t.cpu(), "t2d": ours.t2d.cpu()}, strict=True)
+    drafter.load_state_dict(state, strict=True)
     out = args.work / name / "export"
     if out.exists():
         import shutil
@@ -254,7 +254,7 @@ class Measure:
         from peagle_core.figures import Acceptance
         from peagle_core.model.drafter import PEagleDraftModel
 
-        row: dict[str, Any] = {"drafter": name, **extra}
+        row: dict[str, Any] = {"drafter": name, "export": str(export_dir), **extra}
         mine = None
         if self.args.ours_eval == "all" or (self.args.ours_eval == "first" and not self._ours_done):
             drafter = PEagleDraftModel.from_pretrained(export_dir).eval()

@@ -40,8 +40,8 @@ def test_dry_run_trains_both_trainers_and_measures_every_drafter(tmp_path) -> No
     # The reference's export is a checkpoint of ours, trained away from its start: our drafter reads it.
     from peagle_core.model.drafter import PEagleDraftModel
 
-    ours = PEagleDraftModel.from_pretrained(work / "ours-tokens-seed0" / "export")
-    theirs = PEagleDraftModel.from_pretrained(work / "reference-tokens" / "export")
+    ours = PEagleDraftModel.from_pretrained(rows["ours, equal tokens, seed 0"]["export"])
+    theirs = PEagleDraftModel.from_pretrained(rows["reference, equal tokens"]["export"])
     assert theirs.config.num_depths == ours.config.num_depths == 2
     assert torch.equal(theirs.d2t, ours.d2t), "both trainers use the same draft vocabulary"
     assert not torch.equal(theirs.fc.weight, ours.fc.weight)
