@@ -461,7 +461,7 @@ def done_progress(result: PipelineResult) -> dict[str, Any]:
     that `GET /v1/jobs/{id}` says how to serve the job's drafter."""
     progress: dict[str, Any] = {"stage": "done", "step": result.step, "total_steps": result.step, "eta_s": 0}
     if result.serving is not None and result.serving.recommendation is not None:
-        progress["recommendation"] = result.serving.recommendation
+        progress["recommendation"] = result.serving.recommendation.to_dict()
     return progress
 
 
