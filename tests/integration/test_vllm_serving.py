@@ -242,7 +242,8 @@ def test_the_judge_reports_categories_and_vllms_speedups_and_how_to_serve(
         assert r["output_tokens_per_s"] > 0 and r["baseline_output_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["speedup_per_round"][0], abs=1e-4)
     assert rows[("eagle3", 3, 1)]["acceptance_length"] > 1.0  # the drafter drafted
-    assert check.speedup is not None and check.speedup.to_dict() == rows[("eagle3", 3, 1)]  # the gate's K at batch 1, as before
+    # the gate's K at batch 1, as before
+    assert check.speedup is not None and check.speedup.to_dict() == rows[("eagle3", 3, 1)]
     # The recommendation is drawn from those rows: the served K is the best at the first batch size where
     # one beats plain decoding, and the sentence carries it.
     rec = ServingRecommendation.of(check.to_dict())
