@@ -83,10 +83,25 @@ def compile_enabled() -> bool:
     return os.environ.get("PEAGLE_COMPILE", "1") != "0" and not _compile_failed
 
 
+def _rows_dynamic(kernel: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """`kernel` compiled with the row count dynamic and the vocabulary static: one graph for every chunk
+    and teacher-row count, one per vocabulary size. A static vocabulary lets Inductor vectorise the row
+    reductions: 3x faster than `dynamic=True` at SmolLM2's [1024, 8192] chunk in bf16 on AMX (25.5 -> 8.4
+    ms for the draft kernel; docs/decisions.md)."""
+    compiled = torch.compile(kernel, dynamic=None)
+
+    def run(*args: object) -> tuple[torch.Tensor, ...]:
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    return run
+
+
 @cache
 def _compiled_kernels() -> Kernels:
-    # dynamic: one graph for every chunk and teacher-row count, and every vocabulary size
-    return torch.compile(teacher_stats, dynamic=True), torch.compile(draft_stats, dynamic=True)
+    return _rows_dynamic(teacher_stats), _rows_dynamic(draft_stats)
 
 
 def loss_kernels(device: torch.device) -> Kernels:
@@ -130,9 +145,18 @@ class _FusedLinearKL(torch.autograd.Function):
         n = hidden.shape[0]
         kernels = loss_kernels(hidden.device)
         w = weight.detach().to(compute_dtype)
+        # The gradient matmuls reduce over the vocabulary (grad_hidden) and over the rows (grad_weight);
+        # oneDNN runs both about 2x faster with the [H, *] operand on the left than in the textbook
+        # layout (bf16 on AMX at [1024, 8192] x [8192, 576]: 7.6 -> 4.3 ms and 6.3 -> 3.5 ms), so the
+        # weight's gradient is accumulated transposed.
+        w_t = w.T.contiguous()
         tw = teacher_weight.detach().to(compute_dtype)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_weight_t = (
+            torch.zeros(weight.shape[::-1], dtype=torch.float32, device=weight.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
         kl = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n, dtype=torch.bool, device=hidden.device)
         # Rows sorted by target so a chunk shares teacher rows: the teacher runs once per target.
@@ -149,9 +173,10 @@ class _FusedLinearKL(torch.autograd.Function):
             )
             kl[rows] = kl_c
             correct[rows] = argmax_c == teacher_argmax[inverse]
-            grad_hidden[rows] = (grad_logits @ w).float()
-            if grad_weight is not None:
-                grad_weight += (grad_logits.T @ h).float()
+            grad_hidden[rows] = (w_t @ grad_logits.T).T.float()
+            if grad_weight_t is not None:
+                grad_weight_t += (h.T.contiguous() @ grad_logits).float()
+        grad_weight = grad_weight_t.T if grad_weight_t is not None else None
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(kl, correct)

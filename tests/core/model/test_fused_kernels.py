@@ -175,3 +175,22 @@ def test_fused_loss_without_lm_head_gradient(loss_kernels: str) -> None:
     (g,) = torch.autograd.grad(got.loss, (h,))
     (g_want,) = torch.autograd.grad(reference_kl_loss(h, frozen, th, tw, target, row_w), (h,))
     torch.testing.assert_close(g, g_want, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_loss_kernels_compile_once_for_every_row_count() -> None:
+    # Chunks and teacher-row counts change every step; the kernels keep one graph for all of them (a
+    # recompile per shape would cost seconds a step, and past dynamo's cache limit fall back to eager).
+    torch._dynamo.reset()
+    loss_module._compiled_kernels.cache_clear()
+    teacher, draft = loss_module._compiled_kernels()
+    g = torch.Generator().manual_seed(3)
+
+    def call(rows: int, uniq: int) -> None:
+        p, neg_entropy, _ = teacher(torch.randn(uniq, 96, generator=g))
+        inverse = torch.sort(torch.randint(0, uniq, (rows,), generator=g)).values
+        draft(torch.randn(rows, 96, generator=g), p, neg_entropy, inverse, torch.ones(rows), torch.float32)
+
+    call(64, 40)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows, uniq in ((37, 20), (5, 3), (128, 90)):
+            call(rows, uniq)
