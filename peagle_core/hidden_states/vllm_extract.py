@@ -48,6 +48,7 @@ class VllmHiddenStatesConfig:
     data_parallel_size: int = 1
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = True
+    max_num_batched_tokens: int | None = None  # vLLM's prefill budget per step (None: vLLM's default)
 
 
 class VllmHiddenStates:
@@ -202,8 +203,14 @@ def _build_engine(config: VllmHiddenStatesConfig) -> tuple[Any, dict[str, Any]]:
     ).get_text_config()
     num_layers = int(hf.num_hidden_layers)
     layer_ids = [*config.layer_ids, num_layers]  # the last decoder layer's output, before the final norm
+    budget = (
+        {}
+        if config.max_num_batched_tokens is None
+        else {"max_num_batched_tokens": config.max_num_batched_tokens}
+    )
     llm = new_llm(
         config,
+        **budget,
         tensor_parallel_size=config.tensor_parallel_size,
         distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
         # Each sample's states are computed from its own tokens: reused prefix blocks would skip them.
