@@ -41,8 +41,17 @@ BACKENDS = ("transformers", "vllm")  # the values of `hidden_states.engine`
 VllmFactory = Callable[[], VllmHiddenStates]
 
 
-def vllm_config_for(spec: Any, layer_ids: Sequence[int], *, cuda: bool) -> VllmHiddenStatesConfig:
-    """The vLLM engine a job spec asks for, capturing `layer_ids` (the verifier's three aux layers)."""
+# Tokens from which a CPU build compiles vLLM's model (enforce_eager off). Measured on the AMX Xeon, SmolLM2
+# in bf16, 103k ShareGPT tokens: 4,910 tokens/s compiled against 3,744 eager, for ~60 s more start-up, so
+# compiling pays from about 0.95M tokens (docs/decisions.md, "Hidden states at speed").
+CPU_COMPILE_MIN_TOKENS = 1_000_000
+
+
+def vllm_config_for(
+    spec: Any, layer_ids: Sequence[int], *, cuda: bool, tokens: int = 0
+) -> VllmHiddenStatesConfig:
+    """The vLLM engine a job spec asks for, capturing `layer_ids` (the verifier's three aux layers), for a
+    build of `tokens` tokens (a CPU build of at least `CPU_COMPILE_MIN_TOKENS` compiles the model)."""
     return VllmHiddenStatesConfig(
         verifier=spec.verifier.name_or_path,
         layer_ids=tuple(int(i) for i in layer_ids),
@@ -53,6 +62,7 @@ def vllm_config_for(spec: Any, layer_ids: Sequence[int], *, cuda: bool) -> VllmH
         trust_remote_code=spec.verifier.trust_remote_code,
         tensor_parallel_size=spec.resources.tensor_parallel_size,
         data_parallel_size=spec.resources.data_parallel_size,
+        enforce_eager=cuda or tokens < CPU_COMPILE_MIN_TOKENS,
     )
 
 

@@ -58,9 +58,9 @@ def build_source(
     fingerprint = CacheFingerprint.of(verifier, dataset)
     pad = verifier.tokenizer.pad_token_id or 0
     hs = spec.hidden_states
-    vllm = partial(
-        VllmHiddenStates, vllm_config_for(spec, verifier.layer_ids, cuda=verifier.device.type == "cuda")
-    )
+    cuda = verifier.device.type == "cuda"
+    tokens = sum(int(n) for n in dataset.lengths)
+    vllm = partial(VllmHiddenStates, vllm_config_for(spec, verifier.layer_ids, cuda=cuda, tokens=tokens))
     if hs.mode == "offline" and info.is_main:
         complete = (cache_root / CACHE_MANIFEST).is_file() and HiddenStateCache.open(
             cache_root, fingerprint
