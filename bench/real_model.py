@@ -182,6 +182,9 @@ def train(
     raw["model"]["method"] = method
     if steps is not None:
         raw["training"]["max_steps"] = steps
+    if tag == "calibration":  # a few steps to time one: no in-job evaluation, no vLLM gate (minutes each)
+        raw["evaluation"] = {**raw.get("evaluation", {}), "prompts": 0, "measure_speedup": False}
+        raw["export"] = {**raw.get("export", {}), "vllm_check": False}
     spec = parse_spec(raw)
     emit(bench="real_model", stage="spec", method=method, tag=tag,
          spec=spec.model_dump(mode="json", exclude_unset=True))  # fmt: skip
