@@ -185,7 +185,8 @@ def test_every_backticked_path_in_the_docs_exists(doc: Path) -> None:
 # ------------------------------------------------------------------------------ CLI flags named in the docs
 
 _BENCH_CMD = re.compile(r"bench/(\w+\.py)")
-_PEAGLE_CMD = re.compile(r"(?<![\w/.-])peagle((?:[ \t]+[a-z][a-z-]*)*)")
+# `peagle` as a command, not as a value (`--methods peagle,eagle3`) or part of a name
+_PEAGLE_CMD = re.compile(r"(?<![\w/.-])peagle(?![\w,.=-])((?:[ \t]+[a-z][a-z-]*)*)")
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 _INDENTED = re.compile(r"^(?: {4}|\t)\S.*$", re.M)
 
