@@ -139,6 +139,10 @@ def vllm_settings(args: argparse.Namespace) -> None:
 
     from _prompts import sharegpt_by_tokens
 
+    names = args.settings.split(",")
+    unknown = [n for n in names if n not in VLLM_SETTINGS]
+    if unknown:
+        raise SystemExit(f"--settings: unknown {', '.join(unknown)} (known: {', '.join(VLLM_SETTINGS)})")
     if not (vllm_available() and SMOLLM2_DIR.is_dir()):
         raise SystemExit(f"--only vllm-settings needs vLLM and {SMOLLM2_DIR} (`peagle models get`)")
     work = args.work or Path(tempfile.mkdtemp(prefix="peagle-bench-hs-"))
@@ -147,7 +151,7 @@ def vllm_settings(args: argparse.Namespace) -> None:
     verifier = Verifier.load(str(SMOLLM2_DIR), device="cpu")
     fp = CacheFingerprint.of(verifier, ds)
     tokens = sum(ds.lengths)
-    for name in args.settings.split(","):
+    for name in names:
         setting = dict(VLLM_SETTINGS[name])
         preload = [p.format(prefix=sys.prefix) for p in setting.pop("preload", [])]
         config = VllmHiddenStatesConfig(str(SMOLLM2_DIR), tuple(verifier.layer_ids), max_model_len=1040,
