@@ -87,6 +87,7 @@ def regeneration_inputs(spec: JobSpec) -> dict[str, Any]:
         "max_new_tokens": regen.max_new_tokens,
         "temperature": regen.temperature,
         "engine": regen.engine,
+        "turns": regen.turns,
         "seq_len": data.seq_len,
         "fmt": data.format,
         "max_samples": data.max_samples,
@@ -98,7 +99,11 @@ def regeneration_inputs(spec: JobSpec) -> dict[str, Any]:
 def regenerate_key_from_params(params: Any, source_sha256: str, verifier_fp: str) -> str:
     """The regeneration of `source_sha256`'s data by the verifier `verifier_fp` with `params` (a
     `RegenParams`, or its fields as a dict)."""
-    fields = params if isinstance(params, dict) else asdict(params)
+    fields = dict(params) if isinstance(params, dict) else asdict(params)
+    if (
+        fields.get("turns", "all") == "all"
+    ):  # the default leaves the keys of earlier regenerations as they were
+        fields.pop("turns", None)
     return content_key(REGENERATE, REGEN_VERSION, verifier_fp, source_sha256, fields)
 
 

@@ -97,6 +97,11 @@ class RegenerateSpec(_Strict):
     engine: Literal["transformers", "vllm"] = Field(
         default="transformers", description="`transformers` works everywhere; `vllm` where vLLM is installed."
     )
+    turns: Literal["all", "first"] = Field(
+        default="all",
+        description="`all` rewrites every assistant turn; `first` rewrites each conversation's first answer "
+        "and keeps the later turns as written (a fraction of the cost on long conversations).",
+    )
 
 
 class DatasetSpec(_Strict):

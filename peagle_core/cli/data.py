@@ -74,26 +74,37 @@ def regenerate(
     engine: Annotated[str, typer.Option("--engine", help="transformers (default) or vllm.")] = "transformers",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, max=32768)] = 512,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, max=2.0)] = 0.0,
+    turns: Annotated[
+        str, typer.Option("--turns", help="all (every answer) or first (the first; later turns as written).")
+    ] = "all",
     seq_len: Annotated[
         int, typer.Option("--seq-len", min=3, help="A turn whose prompt fills seq_len is skipped.")
     ] = 2048,
     fmt: Annotated[str, typer.Option("--format", help="auto, messages or sharegpt.")] = "auto",
     max_samples: Annotated[int | None, typer.Option("--max-samples", min=1)] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=4096)] = 16,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            "--batch-size", min=1, max=4096, help="Conversations per batch [16 transformers, 64 vllm]."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Sampling seed (temperature > 0).")] = 0,
     revision: RevisionOption = None,
     trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
-    """Rewrite every assistant turn with the verifier, turn by turn; resumes an interrupted run."""
+    """Rewrite the assistant turns with the verifier, turn by turn; resumes an interrupted run."""
     from peagle_core.cli.common import fail
     from peagle_core.regeneration.rewrite import RegenParams, rewrite_dataset
 
     if engine not in ("transformers", "vllm"):
         fail(f"--engine must be transformers or vllm, not {engine!r}")
+    if turns not in ("all", "first"):
+        fail(f"--turns must be all or first, not {turns!r}")
     params = RegenParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         engine=engine,  # type: ignore[arg-type]
+        turns=turns,  # type: ignore[arg-type]
         seq_len=seq_len,
         fmt=fmt,
         max_samples=max_samples,

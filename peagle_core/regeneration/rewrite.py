@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Conversations per batch (turn i of each generated together). vLLM schedules a batch as one continuous
+# batch: on a 2-core CPU 64 conversations regenerated 2.6x faster than 16, and 128 no faster than 64; a
+# batch is also what a killed run can lose, so it stays far below a dataset.
+BATCH_SIZE: dict[str, int] = {"transformers": 16, "vllm": 64}
+
 _SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
@@ -45,6 +50,7 @@ class RegenParams:
     max_new_tokens: int = 512
     temperature: float = 0.0
     engine: Engine = "transformers"
+    turns: Literal["all", "first"] = "all"  # "first": later turns kept as written
     seq_len: int = 2048  # a turn whose prompt leaves no room for one answer token within seq_len is skipped
     fmt: str = "auto"
     max_samples: int | None = None
@@ -134,6 +140,19 @@ class _Conversation:
         if self.pos >= len(msgs):
             self.done = True
 
+    def keep_rest_as_written(self) -> None:
+        """After the first rewritten answer: the later turns as written, up to the first answer slot with
+        nothing written in it (a prompts-only conversation's), and ending on an answer."""
+        msgs = self.row.messages or []
+        for m in msgs[self.pos :]:
+            if m["role"] == "assistant" and not m["content"].strip():
+                break
+            self.out.append(dict(m))
+        while self.out[-1]["role"] != "assistant":
+            self.out.pop()
+        self.pos = len(msgs)
+        self.done = True
+
     def cut(self, reason: str) -> None:
         """End the conversation before the current turn; later turns would follow a history that isn't."""
         self.bump(reason)
@@ -162,7 +181,8 @@ def rewrite_conversations(
     params: RegenParams,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[_Conversation], int] | None:
-    """Rewrite every assistant turn of `rows`, all conversations' turn i in one batch.
+    """Rewrite every assistant turn of `rows` (the first only with `params.turns == "first"`), all
+    conversations' turn i in one batch.
 
     Returns the conversations and the tokens generated, or None when `should_stop` asked to stop first.
     """
@@ -198,6 +218,8 @@ def rewrite_conversations(
             if not g.finished:
                 c.bump("hit_max_new_tokens")
                 c.flagged_turns.append(sum(m["role"] == "assistant" for m in c.out) - 1)
+            if params.turns == "first":
+                c.keep_rest_as_written()
 
 
 def _output_row(messages: list[dict[str, str]], fmt: str, category: str | None = None) -> dict[str, Any]:
@@ -263,7 +285,7 @@ def rewrite_dataset(
     *,
     revision: str | None = None,
     trust_remote_code: bool = False,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     vllm_engine: VllmProcess | None = None,
     on_progress: Callable[[RegenReport], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -285,6 +307,7 @@ def rewrite_dataset(
     if prov is not None:
         return RegenReport(**{**prov["counts"], "fingerprint": fp, "reused": True, "status": "completed"})
 
+    batch_size = batch_size or BATCH_SIZE[params.engine]
     source_format, rows = _read_chat_rows(data_path, params)
     work, report = _resume(out, fp, len(rows))
     todo = [(i, row) for i, row in enumerate(rows) if i not in work.records]

@@ -24,7 +24,7 @@ PLAN_VERSION = 1
 CALIBRATION_STEPS = 5  # the first is warm-up; the other four time a step
 CALIBRATION_PROMPTS = 6
 CALIBRATION_SAMPLES = 8  # verifier passes timed for the hidden-state rate
-REGEN_BATCH = 16  # conversations per generation batch (peagle_core.regeneration.rewrite's default)
+REGEN_BATCH = 16  # conversations per generation batch (rewrite's BATCH_SIZE for transformers, which it times)
 CACHE_DTYPES = ("bf16", "fp8", "fp32")
 
 

@@ -88,6 +88,42 @@ def test_every_assistant_turn_is_the_verifiers_answer_to_the_rewritten_history(
     assert not work_log_path(reference).exists()
 
 
+def test_first_turns_only_rewrites_the_first_answer_and_keeps_the_rest_as_written(
+    reference: Path, chat_data: Path, toy_verifier_dir: Path, tmp_path: Path
+) -> None:
+    from peagle_core.keys import regenerate_key_from_params
+
+    _, source = read_rows(chat_data)
+    _, every = read_rows(reference)
+    out = tmp_path / "first.jsonl"
+    params = RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128, turns="first")
+    report = rewrite_dataset(str(toy_verifier_dir), chat_data, out, params)
+    _, rows = read_rows(out)
+    assert report.turns == ROWS and report.written == ROWS
+    for src, all_turns, new in zip(source, every, rows, strict=True):
+        first = next(i for i, m in enumerate(src.messages) if m["role"] == "assistant")
+        # the first answer is the one the full rewrite gives (same history so far), the rest as written
+        assert new.messages[first] == all_turns.messages[first] != src.messages[first]
+        assert (
+            new.messages[:first] + new.messages[first + 1 :]
+            == src.messages[:first] + src.messages[first + 1 :]
+        )
+    # a prompts-only conversation has no written answers to keep: it ends after its first answer
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"messages": [m for m in source[0].messages if m["role"] == "user"]}) + "\n"
+    )
+    rewrite_dataset(str(toy_verifier_dir), prompts, tmp_path / "p.jsonl", params)
+    _, (answered,) = read_rows(tmp_path / "p.jsonl")
+    assert [m["role"] for m in answered.messages][-2:] == ["user", "assistant"]
+    assert sum(m["role"] == "assistant" for m in answered.messages) == 1
+    # its own cache key; the default's key is the one it always was (caches made before `turns` stay valid)
+    everything = RegenParams(max_new_tokens=NEW_TOKENS, seq_len=128)
+    legacy = {k: v for k, v in vars(everything).items() if k != "turns"}
+    assert regenerate_key_from_params(everything, "s", "v") == regenerate_key_from_params(legacy, "s", "v")
+    assert regenerate_key_from_params(params, "s", "v") != regenerate_key_from_params(everything, "s", "v")
+
+
 def test_prompts_only_conversations_get_an_answer_after_each_user_turn(
     chat_data: Path, toy_verifier, toy_verifier_dir: Path, tmp_path: Path
 ) -> None:

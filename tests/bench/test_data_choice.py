@@ -1,0 +1,56 @@
+"""`bench/data_choice.py --dry-run` end to end on the toy verifier: the written arm sets the budget, each
+regenerated arm is sized to it from a calibration, runs the whole pipeline regeneration included, and gets the
+same measurement row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from peagle_core.data.formats import iter_rows
+from tests.bench.scripts import BENCH
+
+
+@pytest.mark.slow
+def test_dry_run_sizes_each_arm_to_the_written_budget_and_measures_it(tmp_path) -> None:
+    work = tmp_path / "work"
+    env = {**os.environ, "PEAGLE_COMPILE": "0"}  # a smoke test: compiling the loss costs more than it saves
+    run = subprocess.run(
+        [sys.executable, "data_choice.py", "--dry-run", "--work", str(work)],
+        cwd=BENCH, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    rows = {r["drafter"]: r for r in lines if "drafter" in r}
+    assert list(rows) == ["written", "first", "all"]
+    for row in rows.values():  # our evaluator scored each drafter at K=2
+        assert 1.0 <= row["ours_acceptance_length"] <= 3.0, row
+        assert row["train_tokens"] > 0 and row["steps"] >= 1
+    stages = {name: json.loads(row["stages"]) for name, row in rows.items()}
+    assert "regenerate" not in stages["written"]
+    assert stages["first"]["regenerate"] > 0 and stages["all"]["regenerate"] > 0
+
+    budget = next(r["budget_s"] for r in lines if r.get("arm") == "first" and "budget_s" in r)
+    assert budget == rows["written"]["pipeline_s"]
+    calibrations = {r["calibration"]: r for r in lines if "calibration" in r}
+    assert set(calibrations) == {"first", "all"}
+    # regenerating every answer costs more per conversation than the first alone
+    first, every = calibrations["first"], calibrations["all"]
+    assert every["regen_s_per_conversation"] > first["regen_s_per_conversation"] > 0
+    assert rows["first"]["conversations"] >= rows["all"]["conversations"] >= 1
+
+    # each arm trained on what it says: the first-answer arm's later answers are the source's, as written
+    source = {row.messages[0]["content"]: row for _, row in iter_rows(work / "first-source.jsonl")}
+    regenerated = next((work / "first" / "store").rglob("data.jsonl"))
+    later_kept = 0
+    for _, row in iter_rows(regenerated):
+        src = source[row.messages[0]["content"]]
+        answers = [i for i, m in enumerate(src.messages) if m["role"] == "assistant"]
+        later_kept += all(row.messages[i] == src.messages[i] for i in answers[1:]) and len(answers) > 1
+    assert later_kept > 0
+    table = next(r["table"] for r in lines if "table" in r)
+    assert table.count("\n") == 4  # header, rule and the three arms
