@@ -123,26 +123,33 @@ def run_arm(args: argparse.Namespace, raw: dict[str, Any], name: str) -> dict[st
 def calibrate(
     args: argparse.Namespace, verifier: Path, conversations: list[str], arm: str
 ) -> dict[str, float]:
-    """The verifier regenerates the first `--calibrate` conversations as `arm` does (outside the budget):
-    (seconds per conversation with the engine's start spread over the arm's run, training tokens each)."""
+    """The verifier regenerates the first `--calibrate` conversations as `arm` does (outside the budget): the
+    engine's start, then seconds and training tokens per conversation on a warm engine."""
     from peagle_core.data.chat import encode, render_chat
     from peagle_core.data.formats import iter_rows
     from peagle_core.regeneration.rewrite import RegenParams, rewrite_dataset
     from peagle_core.vllm_engine import VllmProcess
 
-    sample = args.work / f"calibrate-{arm}" / "source.jsonl"
-    sample.parent.mkdir(parents=True, exist_ok=True)
-    sample.write_text("\n".join(conversations[: args.calibrate]) + "\n")
-    out = sample.with_name("regenerated.jsonl")
-    for stale in sample.parent.glob("regenerated.jsonl*"):
-        stale.unlink()
+    work = args.work / f"calibrate-{arm}"
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
     params = RegenParams(
         engine=args.engine, turns=arm, max_new_tokens=args.max_new_tokens, seq_len=args.seq_len
     )
-    t0 = time.monotonic()
     engine = VllmProcess().start() if args.engine == "vllm" else None
-    started = time.monotonic() - t0
     try:
+        # One conversation first: the engine's start and build (which the arm pays once), timed apart.
+        warm = work / "warm.jsonl"
+        warm.write_text(conversations[args.calibrate] + "\n")
+        t0 = time.monotonic()
+        rewrite_dataset(str(verifier), warm, work / "warm-out.jsonl", params, vllm_engine=engine)
+        started = time.monotonic() - t0
+        sample = work / "source.jsonl"
+        sample.write_text("\n".join(conversations[: args.calibrate]) + "\n")
+        out = work / "regenerated.jsonl"
         report = rewrite_dataset(str(verifier), sample, out, params, vllm_engine=engine)
     finally:
         if engine is not None:
@@ -221,7 +228,9 @@ def main() -> None:
         "--engine", default="vllm", choices=["vllm", "transformers"], help="the regenerating engine"
     )
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest regenerated answer")
-    p.add_argument("--calibrate", type=int, default=48, help="conversations regenerated to size each arm")
+    p.add_argument(
+        "--calibrate", type=int, default=64, help="conversations regenerated to size each arm (a batch)"
+    )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--total-seq-len", type=int, default=4096, help="tokens per step")
     p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")

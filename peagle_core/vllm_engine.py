@@ -40,8 +40,13 @@ def vllm_available() -> bool:
 def model_len_for(prompts: list[list[int]], max_new_tokens: int, k: int | None = None) -> int:
     """The engine's max_model_len for `prompts`, rounded up to a power of two so that nearby prompt lengths
     (and batches cut from one prompt set) reuse one engine instead of building another."""
-    longest = max((len(p) for p in prompts), default=1)
-    return max(256, 2 ** math.ceil(math.log2(longest + max_new_tokens + (k or 0) + 1)))
+    return model_len_within(max((len(p) for p in prompts), default=1), max_new_tokens, k)
+
+
+def model_len_within(longest_prompt: int, max_new_tokens: int, k: int | None = None) -> int:
+    """`model_len_for` from the longest prompt's length alone: a caller that knows its bound (regeneration's
+    `seq_len`) keeps one engine for every batch, where per-batch lengths would rebuild it between them."""
+    return max(256, 2 ** math.ceil(math.log2(longest_prompt + max_new_tokens + (k or 0) + 1)))
 
 
 class VllmError(PeagleError):

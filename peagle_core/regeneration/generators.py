@@ -103,6 +103,8 @@ class VllmGenerator:
         self.trust_remote_code, self.dtype = trust_remote_code, dtype
 
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
+        from peagle_core.vllm_engine import model_len_within
+
         run = self.engine.sample(
             self.verifier,
             [list(p) for p in prompts],
@@ -111,6 +113,8 @@ class VllmGenerator:
             stop_token_ids=self.stops,
             seed=self.seed,
             dtype=self.dtype,
+            # Every prompt is shorter than seq_len (longer ones are cut before): one engine for all batches.
+            max_model_len=model_len_within(self.seq_len, max_new_tokens),
             trust_remote_code=self.trust_remote_code,
         )
         stops = set(self.stops)

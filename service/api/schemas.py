@@ -9,9 +9,8 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from peagle_core.spec import JobSpec
+from service.db.models import JobStatus
 from service.redact import redact_paths
-
-JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
 
 
 class _Out(BaseModel):

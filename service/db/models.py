@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
 from sqlalchemy import (
     JSON,
@@ -33,7 +33,9 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-JOB_STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
+# A job's states, defined once: the API's schema takes the Literal, the database's check constraint the tuple.
+JobStatus = Literal["queued", "running", "cancelling", "succeeded", "failed", "cancelled"]
+JOB_STATUSES: tuple[str, ...] = get_args(JobStatus)
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 
 

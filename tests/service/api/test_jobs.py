@@ -14,6 +14,7 @@ from service.crud.events import add_event
 from service.crud.metrics import add_metrics
 from service.db.models import Job
 from service.db.session import session_factory
+from tests.fixtures.race import at_once
 from tests.fixtures.wait import DEFAULT_TIMEOUT_S
 from tests.service.conftest import create_job
 
@@ -120,23 +121,12 @@ def test_idempotency_replay_and_conflict(client, auth, other_auth, spec) -> None
 
 
 def test_concurrent_idempotent_posts_create_one_job(client, auth, spec) -> None:
-    codes: list[int] = []
-    ids: list[str] = []
-    barrier = threading.Barrier(4, timeout=DEFAULT_TIMEOUT_S)
+    def post() -> Any:
+        return client.post("/v1/jobs", json={"spec": spec}, headers={**auth, "Idempotency-Key": "race"})
 
-    def post() -> None:
-        barrier.wait()
-        r = client.post("/v1/jobs", json={"spec": spec}, headers={**auth, "Idempotency-Key": "race"})
-        codes.append(r.status_code)
-        ids.append(r.json()["id"])
-
-    threads = [threading.Thread(target=post) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEFAULT_TIMEOUT_S)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    assert sorted(codes) == [200, 200, 200, 201] and len(set(ids)) == 1
+    answers = at_once([post] * 4)
+    assert sorted(r.status_code for r in answers) == [200, 200, 200, 201]
+    assert len({r.json()["id"] for r in answers}) == 1
 
 
 def test_pagination_no_duplicates_or_gaps_under_inserts(client, auth, spec) -> None:

@@ -6,9 +6,8 @@ of rows another request deletes. Every answer is the one a later request would g
 from __future__ import annotations
 
 import random
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -17,7 +16,7 @@ from sqlalchemy import select
 
 from service.db.models import Checkpoint, Job
 from service.db.session import session_factory
-from tests.fixtures.wait import DEFAULT_TIMEOUT_S
+from tests.fixtures.race import at_once
 from tests.service.api.test_doors import _jsonl
 from tests.service.conftest import create_job
 
@@ -35,24 +34,6 @@ def client(make_settings: Any, redis_conn: Any) -> Iterator[Any]:
     settings = make_settings(max_writes_in_flight_per_caller=64, max_requests_in_flight_per_caller=64)
     with TestClient(create_app(settings), base_url="http://localhost", raise_server_exceptions=False) as c:
         yield c
-
-
-def _fire(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Run `calls` at once (released together by a barrier); their responses, in order."""
-    barrier = threading.Barrier(len(calls), timeout=DEFAULT_TIMEOUT_S)
-    answers: list[Any] = [None] * len(calls)
-
-    def run(i: int) -> None:
-        barrier.wait()
-        answers[i] = calls[i]()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a request hung"
-    return answers
 
 
 def _statuses(answers: list[Any], allowed: set[int]) -> Counter[int]:
@@ -73,7 +54,7 @@ def test_concurrent_cancels_and_deletes_of_one_job(client, auth, spec, db_url) -
         cancel = partial(client.post, f"/v1/jobs/{job}/cancel", headers=auth)
         delete = partial(client.delete, f"/v1/jobs/{job}", headers=auth)
         calls = [cancel if rng.random() < 0.5 else delete for _ in range(REQUESTS)]
-        answers = _fire(calls)
+        answers = at_once(calls)
         totals += _statuses(answers, {200, 404, 409})
         # Consistent: the job is cancelled, or gone if a delete came after a cancel.
         after = client.get(f"/v1/jobs/{job}", headers=auth)
@@ -123,7 +104,7 @@ def test_concurrent_deletes_of_one_dataset_and_jobs_naming_it(client, auth, spec
         delete = partial(client.delete, f"/v1/datasets/{ds}", headers=auth)
         create = partial(client.post, "/v1/jobs", json={"spec": named}, headers=auth)
         calls = [delete if i % 2 else create for i in range(8)]
-        answers = _fire(calls)
+        answers = at_once(calls)
         _statuses(answers, {200, 201, 404, 409, 422})
         created = [r.json()["id"] for r in answers if r.status_code == 201]
         gone = client.get(f"/v1/datasets/{ds}", headers=auth).status_code == 404
@@ -161,7 +142,7 @@ def test_concurrent_deletes_of_a_checkpoint_and_its_job(
         delete_ckpt = partial(client.delete, f"/v1/checkpoints/{ckpt}", headers=auth)
         delete_job = partial(client.delete, f"/v1/jobs/{job}", headers=auth)
         calls = [delete_ckpt if i % 3 else delete_job for i in range(9)]
-        answers = _fire(calls)
+        answers = at_once(calls)
         _statuses(answers, {200, 404, 409})
         deletes = [r for r in answers if "/checkpoints/" in str(r.request.url)]
         assert sum(r.status_code == 200 for r in deletes) <= 1, [r.status_code for r in deletes]
@@ -175,7 +156,7 @@ def test_reads_racing_a_delete_answer_200_or_404(client, auth, spec) -> None:
         assert client.post(f"/v1/jobs/{job}/cancel", headers=auth).status_code == 200
         calls = [partial(client.get, route.format(job=job), headers=auth)] * 7
         calls.append(partial(client.delete, f"/v1/jobs/{job}", headers=auth))
-        _statuses(_fire(calls), {200, 404})
+        _statuses(at_once(calls), {200, 404})
 
 
 def test_a_plan_purged_under_its_refresh_answers_404(
@@ -219,7 +200,7 @@ def test_concurrent_rotations_of_one_key_make_one_successor(db_url, api_key) -> 
         with session_factory(db_url)() as s:
             return rotate_key(s, key_id)
 
-    results = _fire([rotate] * 6)
+    results = at_once([rotate] * 6)
     assert sum(r is not None for r in results) == 1, results
 
 
@@ -237,6 +218,6 @@ def test_concurrent_first_sign_ins_share_one_session_nonce(client, api_key) -> N
             partial(b.post, "/ui/login", data={"api_key": api_key, "csrf_token": t}, follow_redirects=False)
             for b, t in zip(browsers, tokens, strict=True)
         ]
-        assert [r.status_code for r in _fire(sign_ins)] == [303, 303]
+        assert [r.status_code for r in at_once(sign_ins)] == [303, 303]
         for b in browsers:
             assert b.get("/ui/", follow_redirects=False).status_code == 200

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from sqlalchemy import select
 
@@ -12,7 +10,7 @@ from service.crud.jobs import create_job_row
 from service.crud.projects import get_or_create_project
 from service.db.models import Job, JobEvent
 from service.db.session import session_factory
-from tests.fixtures.wait import DEFAULT_TIMEOUT_S
+from tests.fixtures.race import at_once
 
 
 @pytest.fixture
@@ -77,20 +75,12 @@ def test_terminal_states_have_no_exits() -> None:
 
 def test_concurrent_claims_have_exactly_one_winner(db_url: str, job_id: str) -> None:
     factory = session_factory(db_url)
-    results: list[bool] = []
-    barrier = threading.Barrier(4, timeout=DEFAULT_TIMEOUT_S)
 
-    def claim(name: str) -> None:
+    def claim(name: str) -> bool:
         with factory() as s:
-            barrier.wait()
-            results.append(jobstate.transition(s, job_id, "running", expect=["queued"], worker_name=name))
+            return jobstate.transition(s, job_id, "running", expect=["queued"], worker_name=name)
 
-    threads = [threading.Thread(target=claim, args=(f"w{i}",)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(DEFAULT_TIMEOUT_S)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
+    results = at_once([lambda i=i: claim(f"w{i}") for i in range(4)])
     assert sorted(results) == [False, False, False, True]
     with factory() as s:
         events = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.type == "status")).all()

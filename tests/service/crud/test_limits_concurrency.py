@@ -6,10 +6,8 @@ ledger frees what a DELETE removes."""
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ from service.crud.locks import lock_project
 from service.crud.projects import create_key, project_for_key
 from service.db.models import Job, Project, StorageUsage
 from service.db.session import session_factory
+from tests.fixtures.race import at_once
 from tests.fixtures.wait import DEFAULT_TIMEOUT_S, until
 
 N = 12
@@ -30,15 +29,8 @@ ROW = json.dumps(
 
 
 def fire(n: int, request: Callable[[int], Any]) -> list[int]:
-    """Send `n` requests at once (released together by a barrier); their status codes."""
-    barrier = threading.Barrier(n, timeout=DEFAULT_TIMEOUT_S)
-
-    def one(i: int) -> int:
-        barrier.wait()
-        return request(i).status_code
-
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
+    """Send `n` requests at once; their status codes."""
+    return [r.status_code for r in at_once([lambda i=i: request(i) for i in range(n)])]
 
 
 @pytest.fixture
