@@ -71,6 +71,7 @@ class VllmRun:
     accepted_per_position: list[int] = field(default_factory=list)
     # "stop" (an end-of-sequence or stop token) or "length" (max_new_tokens) per prompt
     finish_reasons: list[str] = field(default_factory=list)
+    engine_builds: int = 0  # engines the child has built so far (a new configuration builds another)
 
     @property
     def num_output_tokens(self) -> int:
@@ -254,7 +255,7 @@ class VllmProcess:
 
 def _child_main(conn: Any) -> None:
     enter_child()
-    state: dict[str, Any] = {"config": None, "llm": None}
+    state: dict[str, Any] = {"config": None, "llm": None, "builds": 0}
     try:
         serve(conn, lambda message: _serve_generate(state, message))
     finally:
@@ -270,6 +271,7 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
         except Exception as exc:  # vLLM's own refusal, reported to the caller verbatim
             return {"error": describe_error(exc), "phase": "load"}
         state["config"] = config
+        state["builds"] += 1
     llm = state["llm"]
     try:
         from vllm import SamplingParams
@@ -299,6 +301,7 @@ def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str,
             **moved,
             "accepted_per_position": per_pos,
             "finish_reasons": [str(o.outputs[0].finish_reason) for o in outputs],
+            "engine_builds": state["builds"],
         }
     }
 

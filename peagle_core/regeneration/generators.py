@@ -101,6 +101,7 @@ class VllmGenerator:
         self.engine, self.verifier, self.stops = engine, verifier, stops
         self.temperature, self.seed, self.seq_len = temperature, seed, seq_len
         self.trust_remote_code, self.dtype = trust_remote_code, dtype
+        self.engine_builds = 0  # the child's count after the last batch
 
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
         from peagle_core.vllm_engine import model_len_within
@@ -117,6 +118,7 @@ class VllmGenerator:
             max_model_len=model_len_within(self.seq_len, max_new_tokens),
             trust_remote_code=self.trust_remote_code,
         )
+        self.engine_builds = run.engine_builds
         stops = set(self.stops)
         out = []
         for tokens, reason in zip(run.tokens, run.finish_reasons, strict=True):

@@ -245,6 +245,21 @@ def test_vllm_and_transformers_write_the_same_text_at_temperature_0(
     assert out.read_text() == reference.read_text()
 
 
+def test_vllm_regeneration_keeps_one_engine_for_batches_of_any_length(
+    vllm_engine, toy_verifier_dir: Path
+) -> None:
+    from peagle_core.regeneration.generators import VllmGenerator
+
+    gen = VllmGenerator(vllm_engine, str(toy_verifier_dir), [], temperature=0.0, seed=0, seq_len=512,
+                        dtype="float32")  # fmt: skip
+    gen.generate([[5, 6, 7]], 4)
+    built = gen.engine_builds
+    # sized by each batch's longest prompt, these engines would differ (256 and 512 tokens)
+    gen.generate([[5, 6, 7] * 100], 4)
+    gen.generate([[5]], 4)
+    assert gen.engine_builds == built >= 1
+
+
 def test_peagle_train_regenerates_before_preparing(
     toy_verifier_dir: Path, chat_data: Path, tmp_path: Path
 ) -> None:
