@@ -43,7 +43,7 @@ def arm_spec(args: argparse.Namespace, verifier: Path, data: Path, arm: str) -> 
     from peagle_core.recipes.preset import load_recipe
 
     overrides: dict[str, Any] = {
-        "training.seed": 0,
+        "training.seed": args.seed,
         "training.total_seq_len": args.total_seq_len,
         "model.num_depths": K,
         "export.vllm_check": False,
@@ -242,6 +242,9 @@ def main() -> None:
         default="first",
         choices=["first", "all", "none"],
         help="which arms our own evaluator also scores (vLLM scores every one)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="the training seed of every arm (regeneration is greedy)"
     )
     p.add_argument("--dry-run", action="store_true", help="toy verifier, tiny arms, our evaluator only")
     args = p.parse_args()
