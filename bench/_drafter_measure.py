@@ -12,6 +12,20 @@ import torch
 from _common import emit
 
 
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """The options `Measure` reads: which prompts, how many timed, how long each answer, whose evaluator."""
+    p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
+    p.add_argument("--timing-prompts", type=int, default=16, help="of those, timed for speed-ups (0: none)")
+    p.add_argument("--rounds", type=int, default=2, help="paired timing rounds")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--ours-eval",
+        default="first",
+        choices=["first", "all", "none"],
+        help="which drafters our own evaluator also scores (vLLM scores every one)",
+    )
+
+
 class Measure:
     """Every drafter measured the same way: vLLM's acceptance (fp32, lossless) and ours on the evaluation
     prompts, and paired bf16 batch-1 speed-ups against plain and ngram on the timing prompts."""

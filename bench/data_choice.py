@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import emit
-from _drafter_measure import MEASURED, Measure, table
+from _drafter_measure import MEASURED, Measure, add_measure_args, table
 
 from peagle_core.recipes.preset import DEFAULT_RECIPE
 
@@ -233,16 +233,7 @@ def main() -> None:
     )
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--total-seq-len", type=int, default=4096, help="tokens per step")
-    p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
-    p.add_argument("--timing-prompts", type=int, default=16, help="of those, timed for speed-ups (0: none)")
-    p.add_argument("--rounds", type=int, default=2, help="paired timing rounds")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument(
-        "--ours-eval",
-        default="first",
-        choices=["first", "all", "none"],
-        help="which arms our own evaluator also scores (vLLM scores every one)",
-    )
+    add_measure_args(p)
     p.add_argument(
         "--seed", type=int, default=0, help="the training seed of every arm (regeneration is greedy)"
     )

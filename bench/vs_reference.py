@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 from _common import emit
-from _drafter_measure import Measure, table
+from _drafter_measure import Measure, add_measure_args, table
 
 from peagle_core.recipes.preset import DEFAULT_RECIPE
 
@@ -259,16 +259,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=2, help="our trainer's seeds at equal tokens (the noise)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--total-seq-len", type=int, default=4096, help="tokens per step, both trainers")
-    p.add_argument("--eval-prompts", type=int, default=80, help="MT-Bench first turns (80 = all)")
-    p.add_argument("--timing-prompts", type=int, default=16, help="of those, timed for speed-ups (0: none)")
-    p.add_argument("--rounds", type=int, default=2, help="paired timing rounds")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument(
-        "--ours-eval",
-        default="first",
-        choices=["first", "all", "none"],
-        help="which drafters our own evaluator also scores (vLLM scores every one)",
-    )
+    add_measure_args(p)
     p.add_argument("--dry-run", action="store_true", help="toy verifier, two steps each, our evaluator only")
     args = p.parse_args()
     if args.dry_run:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
@@ -44,3 +45,15 @@ def script_help() -> dict[str, dict[str, object]]:
     if set(found) != {p.name for p in SCRIPTS}:
         raise AssertionError(f"the --help child stopped early:\n{proc.stderr[-3000:]}")
     return found
+
+
+def dry_run(script: str, work: Path, timeout: float = 900) -> list[dict[str, Any]]:
+    """`bench/<script> --dry-run --work WORK` (the loss left uncompiled: compiling costs more than a few
+    toy steps save); its JSON lines. A failed run fails the test with its stderr's tail."""
+    env = {**os.environ, "PEAGLE_COMPILE": "0"}
+    run = subprocess.run(
+        [sys.executable, script, "--dry-run", "--work", str(work)],
+        cwd=BENCH, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -5,26 +5,17 @@ same measurement row."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from peagle_core.data.formats import iter_rows
-from tests.bench.scripts import BENCH
+from tests.bench.scripts import dry_run
 
 
 @pytest.mark.slow
 def test_dry_run_sizes_each_arm_to_the_written_budget_and_measures_it(tmp_path) -> None:
     work = tmp_path / "work"
-    env = {**os.environ, "PEAGLE_COMPILE": "0"}  # a smoke test: compiling the loss costs more than it saves
-    run = subprocess.run(
-        [sys.executable, "data_choice.py", "--dry-run", "--work", str(work)],
-        cwd=BENCH, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    lines = dry_run("data_choice.py", work)
     rows = {r["drafter"]: r for r in lines if "drafter" in r}
     assert list(rows) == ["written", "first", "all"]
     for row in rows.values():  # our evaluator scored each drafter at K=2

@@ -3,27 +3,16 @@ the reference's weights export through our exporter, and every drafter gets the 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.bench.scripts import BENCH
+from tests.bench.scripts import dry_run
 
 
 @pytest.mark.slow
 def test_dry_run_trains_both_trainers_and_measures_every_drafter(tmp_path) -> None:
     work = tmp_path / "work"
-    env = {**os.environ, "PEAGLE_COMPILE": "0"}  # a two-step smoke test: compiling the loss costs more
-    run = subprocess.run(
-        [sys.executable, "vs_reference.py", "--dry-run", "--work", str(work)],
-        cwd=BENCH, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    lines = dry_run("vs_reference.py", work, timeout=600)
     rows = {r["drafter"]: r for r in lines if "drafter" in r}
     assert set(rows) == {
         "ours, equal tokens, seed 0",
