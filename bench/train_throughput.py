@@ -5,7 +5,8 @@ Each variant runs in its own process (its peak RSS and allocator settings are it
 - `today`: the path before the hardware work: fp32, attention in plain PyTorch ops (`chunked`), eager
   loss kernels, multi-tensor AdamW, glibc's default allocator settings;
 - `new`: what a job runs now: `training.precision: auto` (bf16 on a CPU with AMX-BF16 or AVX512-BF16),
-  the fused flash-attention kernel, compiled loss kernels, fused AdamW, the allocator kept warm;
+  the fused flash-attention kernel, compiled loss kernels, the compiled drafter forward (`--compile`), fused
+  AdamW, the allocator kept warm;
 - `speculators`: speculators 0.9's P-EAGLE training step at the same shape (SDPA), in the precision `new`
   resolves to (bf16 autocast where bf16 is fast, fp32 elsewhere: emulated bf16 would only slow it down).
 
@@ -74,6 +75,13 @@ def main() -> None:
     )
     parser.add_argument("--num-depths", type=int, default=SMOLLM2_DRAFTER["num_depths"], help="K (smollm2)")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="ours' optimizer")
+    parser.add_argument(
+        "--compile",
+        default="on",
+        choices=["on", "off"],
+        help="`new` trains through the compiled drafter forward, as a recipe-length job does "
+        "(training.compile: auto); off: eager",
+    )
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a child's one variant
     parser.add_argument("--data-kind", default="synthetic", help=argparse.SUPPRESS)  # a child's data
     args = parser.parse_args()
@@ -95,6 +103,7 @@ def main() -> None:
                      "--warmup", str(args.warmup), "--seq-len", str(args.seq_len), "--data-kind", kind,
                      "--real-work", str(args.real_work), "--num-depths", str(args.num_depths),
                      "--optimizer", args.optimizer, "--real-tokens", str(args.real_tokens or 0),
+                     "--compile", args.compile,
                      *(["--real-store", str(args.real_store)] if args.real_store else [])]  # fmt: skip
             env_note = {"PEAGLE_COMPILE": "0"} if variant == "today" else {}
             name = variant if kind == "synthetic" else f"{variant}/real"
@@ -219,6 +228,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "variant": args.variant if args.data_kind == "synthetic" else f"{args.variant}/real",
         "data": args.data_kind,
         "optimizer": args.optimizer if args.variant != "speculators" else "adamw",
+        "compiled_forward": getattr(args, "compiled_forward", False),
         **({"loader_s_per_batch": round(args.loader_s_per_batch, 3)} if args.data_kind == "real" else {}),
         "shape": args.shape,
         "device": device.type,
@@ -247,6 +257,7 @@ def _sync(device: torch.device) -> None:
 def _ours_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, Any, str]:
     from peagle_core.model.precision import autocast_for, resolve_precision
     from peagle_core.training.builders import build_optimizer
+    from peagle_core.training.compiled_forward import CompiledForward, should_compile
     from peagle_core.training.cpu_runtime import keep_freed_memory
     from peagle_core.training.loop import forward_backward
 
@@ -266,10 +277,13 @@ def _ours_setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, An
         optimizer = torch.optim.AdamW(optimizer.param_groups, lr=1e-4, betas=(0.9, 0.95), fused=False)
     autocast = autocast_for(precision, device)
     depths = model.config.num_depths
+    compiled = new and should_compile(args.compile, device, False, model.config.method, args.steps)
+    step_module = CompiledForward(model) if compiled else model
+    args.compiled_forward = compiled
 
     def step(batch: Any, i: int) -> list[int]:
         metrics = forward_backward(
-            model,
+            step_module,
             teacher,
             batch,
             num_segments=1,

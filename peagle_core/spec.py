@@ -219,6 +219,13 @@ class TrainingSpec(_Strict):
         "has fast bf16 (CUDA, or a CPU with AMX-BF16 or AVX512-BF16) and fp32 elsewhere. Master weights, "
         "optimizer state and the loss stay fp32 in every precision.",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Compile the drafter's training forward and backward with TorchInductor (norms, rotary, "
+        "SwiGLU, residuals and casts fused around the attention kernels): `auto` compiles on a CPU, on one "
+        "rank, for P-EAGLE runs of at least 250 optimizer steps, where the ~25 s it costs once pays back; "
+        "`on` wherever one rank trains; `off` never. `PEAGLE_COMPILE=0` turns it off too.",
+    )
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw",
         description="`muon`: torch's Muon for the decoder's weight matrices (its update matched to AdamW's "

@@ -131,6 +131,7 @@ class AttentionLayout:
     _block_mask: Any = None
 
     @classmethod
+    @torch.compiler.disable  # a compiled drafter forward leaves the layout's data-dependent plan to eager
     def build(
         cls,
         anchor_pos: torch.Tensor,
@@ -469,6 +470,7 @@ class CachedLayout(Protocol):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+@torch.compiler.disable  # kernels fused by hand, chunked by the layout's plan: a compiled forward calls them
 def parallel_group_attention(
     q: torch.Tensor,
     k: torch.Tensor,

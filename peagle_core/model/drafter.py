@@ -16,7 +16,7 @@ from torch import nn
 from peagle_core.model.attention import AttentionLayout, Backend, CachedLayout, parallel_group_attention
 from peagle_core.model.config import PEagleConfig
 from peagle_core.model.eagle3 import unrolled_forward
-from peagle_core.model.layers import MLP, RMSNorm, apply_rotary, rotary_embedding
+from peagle_core.model.layers import MLP, RMSNorm, apply_rotary, repeat_last_row, rotary_embedding
 from peagle_core.model.speculators import read_checkpoint
 
 
@@ -45,15 +45,15 @@ class PEagleAttention(nn.Module):
         sin: torch.Tensor,
         layout: AttentionLayout | CachedLayout,
         backend: Backend,
-        expand: torch.Tensor | None = None,
+        expand: int | None = None,
     ) -> torch.Tensor:
         q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if expand is not None:  # rows with identical inputs were projected once
-            q, k, v = q[expand], k[expand], v[expand]
+        if expand is not None:  # rows with identical inputs were projected once: `expand` rows in all
+            q, k, v = (repeat_last_row(t, expand) for t in (q, k, v))
         q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
         out = parallel_group_attention(q, k, v, layout, backend)
         return self.o_proj(out.flatten(-2))
@@ -83,7 +83,7 @@ class PEagleDecoderLayer(nn.Module):
         layout: AttentionLayout | CachedLayout,
         backend: Backend,
         embeds: torch.Tensor | None = None,
-        expand: torch.Tensor | None = None,
+        expand: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.is_first:
             embeds = self.input_layernorm(embeds)
@@ -96,7 +96,7 @@ class PEagleDecoderLayer(nn.Module):
             x = torch.cat([embeds, hidden], dim=-1)
             attn = self.self_attn(x, cos, sin, layout, backend, expand=expand)
             if expand is not None:
-                residual = residual[expand]
+                residual = repeat_last_row(residual, expand)
         else:
             residual = hidden + residual
             attn = self.self_attn(self.input_layernorm(residual), cos, sin, layout, backend)
@@ -201,9 +201,7 @@ class PEagleDraftModel(nn.Module):
         hidden = self.fc(
             torch.cat([hidden_states[real], self.mask_hidden.view(1, -1).to(hidden_states.dtype)])
         )
-        expand = torch.cat(
-            [torch.arange(count, device=depth.device), depth.new_full((depth.numel() - count,), count)]
-        )
+        expand = depth.numel()  # the deeper rows repeat the last projected row
 
         positions = position_ids[anchor_pos] + depth
         cos, sin = self.rotary_emb(hidden, positions[None])

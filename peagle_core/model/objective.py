@@ -243,13 +243,14 @@ def distillation_loss(
     loss_rows = torch.nonzero(in_segment & _is_loss_target(loss_mask, target)).flatten()
     row_depth = depth[loss_rows]
     result = fused_kl_loss(
-        hidden[loss_rows],
+        hidden,
         drafter.lm_head.weight,
         teacher_rows,
         teacher.lm_head,
         target[loss_rows],
         objective.row_weights(counts, row_depth),
         tv_weight=objective.tv_weight,
+        hidden_rows=loss_rows,
     )
     return LossOutput(result.loss, _depth_metrics(result.loss, result.correct, row_depth, counts, num_depths))
 

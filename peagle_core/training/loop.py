@@ -188,7 +188,7 @@ def train_step(run: Trainer, batches: Iterator[Any], shard: StepShard, *, epoch:
         batch, weight = next(batches), 1.0 if real else 0.0
         with sharding.grad_sync(run.train_module, sync=i == n - 1):  # reduce once, after the last row
             metrics = forward_backward(
-                run.train_module,
+                run.parallel.step_module,
                 run.teacher,
                 batch.to(run.device),
                 num_segments=tc.num_segments,

@@ -19,17 +19,26 @@ from peagle_core.model.precision import has_fast_bf16
 def newton_schulz(
     grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Muon's orthogonalization of a 2-D update, as torch's Muon computes it, in `dtype` (torch fixes bf16)."""
+    """Muon's orthogonalization of a 2-D update, as torch's Muon computes it, in `dtype` (torch fixes bf16);
+    a [B, rows, cols] stack orthogonalizes each of its B matrices (batched matmuls: one call for several
+    same-shaped small matrices, where per-call overhead is most of the cost)."""
     a, b, c = coefficients
     x = grad.to(dtype)
-    tall = grad.size(0) > grad.size(1)
+    tall = grad.size(-2) > grad.size(-1)
     if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        x = x.mT
+    if x.dim() == 2:
+        # spectral norm at most 1; out of place: in fp32, `x` may be the momentum buffer itself
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 def closure_loss(closure: Any) -> Any:
@@ -67,6 +76,9 @@ class Muon(torch.optim.Muon):
         loss = closure_loss(closure)
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), group["momentum"]
+            # Matrices of one shape (transposed to wide) are orthogonalized as one batch: SmolLM2's
+            # gate, up and down projections, k and v (~10 ms of ~60 a step on 2 AMX cores).
+            batches: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -76,10 +88,18 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(param.grad, 1 - momentum)
                 update = param.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                       self.ns_dtype)  # fmt: skip
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+                wide = update if update.size(0) <= update.size(1) else update.T
+                batches.setdefault(tuple(wide.shape), []).append((param, update))
+            for members in batches.values():
+                updates = [u if u.size(0) <= u.size(1) else u.T for _, u in members]
+                stacked = updates[0] if len(updates) == 1 else torch.stack(updates)
+                ortho = newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                      self.ns_dtype)  # fmt: skip
+                for i, (param, update) in enumerate(members):
+                    o = ortho if len(members) == 1 else ortho[i]
+                    o = o if update.size(0) <= update.size(1) else o.T
+                    param.mul_(1 - lr * group["weight_decay"])
+                    param.add_(o, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
         return loss
 
 

@@ -91,9 +91,9 @@ def setup(
     model = build_model(spec, verifier, dataset, device)
     teacher = build_teacher(verifier, model, keep_full_lm_head=tc.in_vocab_targets_only)
     objective = Objective(tc.depth_weights, tc.tv_weight, tc.in_vocab_targets_only)
-    parallel = ParallelModel.wrap(model, tc, device, hooks)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, tc.optimizer)  # after wrapping: FSDP's shards
     total_steps = data.count_steps()
+    parallel = ParallelModel.wrap(model, tc, device, hooks, steps=total_steps)
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, tc.optimizer)  # after wrapping: FSDP's shards
     scheduler = scheduler_for(optimizer, tc, total_steps)
     checkpointer = Checkpointer(
         out_dir / "checkpoints", tc.checkpoint_every_steps, hooks, parallel.train_module, optimizer, scheduler

@@ -178,19 +178,80 @@ def test_fused_loss_without_lm_head_gradient(loss_kernels: str) -> None:
 
 
 def test_compiled_loss_kernels_compile_once_for_every_row_count() -> None:
-    # Chunks and teacher-row counts change every step; the kernels keep one graph for all of them (a
-    # recompile per shape would cost seconds a step, and past dynamo's cache limit fall back to eager).
+    # Chunks and teacher-row counts change every step; the kernels (and the loss's gather, scatter and
+    # accumulation helpers) keep one graph for all of them (a recompile per shape would cost seconds a
+    # step, and past dynamo's cache limit fall back to eager).
     torch._dynamo.reset()
     loss_module._compiled_kernels.cache_clear()
-    teacher, draft = loss_module._compiled_kernels()
     g = torch.Generator().manual_seed(3)
+    w, tw = torch.randn(40, 96, generator=g, requires_grad=True), torch.randn(40, 96, generator=g)
 
-    def call(rows: int, uniq: int) -> None:
-        p, neg_entropy, _ = teacher(torch.randn(uniq, 96, generator=g))
-        inverse = torch.sort(torch.randint(0, uniq, (rows,), generator=g)).values
-        draft(torch.randn(rows, 96, generator=g), p, neg_entropy, inverse, torch.ones(rows), torch.float32)
+    def call(rows: int, chosen: int, targets: int) -> None:
+        h = torch.randn(rows, 96, generator=g, requires_grad=True)
+        picked = torch.sort(torch.randperm(rows, generator=g)[:chosen]).values
+        target = torch.randint(0, targets, (chosen,), generator=g)
+        th = torch.randn(targets, 96, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fused_kl_loss(h, w, th, tw, target, torch.ones(chosen), hidden_rows=picked)
+        out.loss.backward()
 
-    call(64, 40)
+    call(64, 50, 40)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for rows, uniq in ((37, 20), (5, 3), (128, 90)):
-            call(rows, uniq)
+        for rows, chosen, targets in ((37, 20, 11), (5, 3, 3), (300, 280, 90)):
+            call(rows, chosen, targets)
+    assert loss_module.compile_enabled()  # nothing fell back to eager
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_fused_loss_over_chosen_rows_equals_it_over_their_copy(loss_kernels: str, autocast: bool) -> None:
+    # Training scores only the loss rows among the drafter's: `hidden_rows` picks them chunk by chunk.
+    # Forward, per-row outputs and gradients must equal the loss over the gathered copy, and rows left
+    # out must get a zero gradient.
+    h, w, th, tw, target, row_w = _loss_case(seed=4)
+    g = torch.Generator().manual_seed(5)
+    chosen = torch.sort(torch.randperm(h.shape[0], generator=g)[: h.shape[0] * 2 // 3]).values
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = fused_kl_loss(h, w, th, tw, target[chosen], row_w[chosen], hidden_rows=chosen)
+        want = fused_kl_loss(h[chosen], w, th, tw, target[chosen], row_w[chosen])
+    g_got = torch.autograd.grad(got.loss, (h, w))
+    g_want = torch.autograd.grad(want.loss, (h, w))
+    torch.testing.assert_close(got.loss, want.loss)
+    torch.testing.assert_close(got.kl, want.kl)
+    assert torch.equal(got.correct, want.correct)
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b)
+    left_out = torch.ones(h.shape[0], dtype=torch.bool)
+    left_out[chosen] = False
+    assert left_out.any() and torch.equal(g_got[0][left_out], torch.zeros_like(g_got[0][left_out]))
+    if not autocast:  # and the gathered loss is the reference's
+        torch.testing.assert_close(
+            got.loss,
+            reference_kl_loss(h[chosen], w, th, tw, target[chosen], row_w[chosen]),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra", [0, 1, 37])
+def test_repeat_last_row_equals_indexing_forward_and_gradients(dtype: torch.dtype, extra: int) -> None:
+    # Layer 0 projects the deeper rows' shared input once and repeats it; the repeat's backward (a sum
+    # into the last row) must equal what indexing's accumulating scatter gives.
+    from peagle_core.model.layers import repeat_last_row
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(12, 3, 5, generator=g).to(dtype).requires_grad_()
+    rows = 11 + extra
+    index = torch.cat([torch.arange(11), torch.full((extra,), 11)])
+    probe = torch.randn(rows, 3, 5, generator=g).to(dtype)
+    got = repeat_last_row(x, rows)
+    want = x[index]
+    assert torch.equal(got, want)
+    (g_got,) = torch.autograd.grad((got * probe).sum(), (x,))
+    # the exact gradient in fp32 (indexing's own scatter would accumulate bf16 repeats in bf16)
+    x32 = x.detach().float().requires_grad_()
+    (g_want,) = torch.autograd.grad((x32[index] * probe.float()).sum(), (x32,))
+    tol = {"rtol": 8e-3, "atol": 1e-5} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(g_got.float(), g_want, **tol)
+    with pytest.raises(ValueError, match="repeat_last_row"):
+        repeat_last_row(x, 10)

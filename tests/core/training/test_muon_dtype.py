@@ -51,3 +51,16 @@ def test_muon_adamw_picks_fp32_iterations_where_bf16_is_slow(monkeypatch) -> Non
         monkeypatch.setattr(muon_module, "has_fast_bf16", lambda _device, fast=fast: fast)
         opt = MuonAdamW([{"params": _params(0)}], [{"params": [torch.nn.Parameter(torch.zeros(4))]}], lr=1e-3)
         assert opt._inner["muon"].ns_dtype == want
+
+
+def test_fp32_iterations_leave_the_momentum_buffer_as_it_is() -> None:
+    # Without Nesterov the update is the momentum buffer itself; in fp32 the orthogonalization must work
+    # on a copy, or it would scale the buffer that the next step reads.
+    params = _params(0)
+    opt = Muon(params, ns_dtype=torch.float32, lr=0.02, nesterov=False, momentum=0.9)
+    grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+    for p, grad in zip(params, grads, strict=True):
+        p.grad = grad.clone()
+    opt.step()
+    for p, grad in zip(params, grads, strict=True):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], 0.1 * grad)
