@@ -57,6 +57,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ngram-ks", type=int, nargs="*", help="vLLM ngram's K values timed (default: the timed Ks and 4)"
     )
+    p.add_argument(
+        "--code-prompts",
+        type=int,
+        default=16,
+        help="a second prompt set, with code: the first N of Arena-Hard's coding prompts (whose chat fits in "
+        "1,024 tokens), measured and timed as the MT-Bench set is (prompt lookup is strongest on code); 0: none",
+    )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="paired timing rounds")
     p.add_argument("--serve-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="timed serving")
@@ -91,16 +98,47 @@ def main() -> None:
         drafters = {methods[0]: train(args, recipe, verifier, timing, method=methods[0])[0]}
     else:
         drafters = train_at_equal_time(args, recipe, verifier, timing, methods)
+    code = code_prompts(verifier, args.code_prompts)
     rows: dict[str, list[dict[str, Any]]] = {}
     for method, drafter in drafters.items():
         depths = measure_acceptance(args, verifier, drafter, prompts, method=method)
+        ks = args.timing_ks or [k for k in recipe_value(args, "evaluation.speculative_tokens") if k <= depths]
         if timing:
-            ks = args.timing_ks or [
-                k for k in recipe_value(args, "evaluation.speculative_tokens") if k <= depths
-            ]
             rows[method] = time_serving(args, verifier, drafter, [p["prompt"] for p in timing], ks, method)
+        if code:
+            measure_acceptance(args, verifier, drafter, code, method=method, prompt_set=CODE_SET)
+            time_serving(
+                args, verifier, drafter, [p["prompt"] for p in code], ks, method, prompt_set=CODE_SET
+            )
     if len(rows) > 1:
         compare_methods(rows)
+
+
+CODE_SET = "arena-hard-coding"
+
+
+def code_prompts(verifier_dir: Path, n: int) -> list[dict[str, str]]:
+    """The first `n` of Arena-Hard's coding prompts whose chat-templated prompt fits in 1,024 tokens."""
+    if n <= 0:
+        return []
+    from transformers import AutoTokenizer
+
+    from peagle_core.recipes.prompts import eval_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
+    fits = [
+        r
+        for r in eval_prompts("arena-hard")
+        if r["category"] == "coding" and len(token_ids(tok, r["prompt"])) <= 1024
+    ]
+    emit(
+        bench="real_model",
+        stage="prompt_set",
+        prompt_set=CODE_SET,
+        prompts=min(n, len(fits)),
+        available=len(fits),
+    )
+    return fits[:n]
 
 
 def train_at_equal_time(
@@ -216,9 +254,10 @@ def measure_acceptance(
     rows: list[dict],
     *,
     method: str = "peagle",
+    prompt_set: str = "mt-bench",
 ) -> int:
     """Acceptance per K, per position and per category in vLLM and in ours (fp32, greedy), losslessness
-    and ours = vLLM per prompt; returns the drafter's number of depths."""
+    and ours = vLLM per prompt, on `rows` (of `prompt_set`); returns the drafter's number of depths."""
     import torch
     from transformers import AutoTokenizer
 
@@ -245,7 +284,7 @@ def measure_acceptance(
     with VllmProcess() as vllm:
         plain = vllm.generate(v, prompts, args.new_tokens, **opts)
         rate = round(plain.num_output_tokens / plain.seconds, 2)
-        emit(bench="real_model", stage="vllm_plain", prompts=len(prompts), dtype=opts["dtype"],
+        emit(bench="real_model", stage="vllm_plain", prompt_set=prompt_set, prompts=len(prompts), dtype=opts["dtype"],
              output_tokens_per_s=rate, seconds=round(plain.seconds, 1))  # fmt: skip
         ks = args.ks or list(range(1, depths + 1))
         for k in ks:
@@ -260,6 +299,7 @@ def measure_acceptance(
             theirs, vllm_s = pool_runs(runs, by_cat), time.monotonic() - t0
             emit(
                 bench="real_model",
+                prompt_set=prompt_set,
                 method=method,
                 k=k,
                 prompts=len(prompts),
@@ -280,7 +320,7 @@ def measure_acceptance(
                 }
                 ours_cats = {c: a.to_dict() for c, a in per_category(ours_parts).items()}
                 for c in by_cat:
-                    emit(bench="real_model", k=k, category=c, prompts=len(by_cat[c]),
+                    emit(bench="real_model", prompt_set=prompt_set, k=k, category=c, prompts=len(by_cat[c]),
                          vllm_acceptance_length=vllm_cats[c]["acceptance_length"],
                          vllm_acceptance_rate_per_position=vllm_cats[c]["acceptance_rate_per_position"],
                          peagle_acceptance_length=ours_cats[c]["acceptance_length"])  # fmt: skip
@@ -294,6 +334,7 @@ def time_serving(
     texts: list[str],
     ks: list[int],
     method: str = "peagle",
+    prompt_set: str = "mt-bench",
 ) -> list[dict[str, Any]]:
     """The product's speed-up measurement (`VllmJudge.measure_speedup`: paired rounds, the drafter and
     vLLM's `ngram` at each K of `ks`, batch 1 and 8, in `--serve-dtype`) and its serving recommendation
@@ -314,7 +355,7 @@ def time_serving(
             drafter_dir, ks, batch_sizes=(1, 8), rounds=args.repeats, ngram_ks=ngram_ks
         )
     for r in (row.to_dict() for row in rows):
-        emit(bench="real_model", stage="speedup", dtype=r["dtype"], method=r["method"], k=r["k"],
+        emit(bench="real_model", stage="speedup", prompt_set=prompt_set, dtype=r["dtype"], method=r["method"], k=r["k"],
              batch=r["batch_size"], prompts=r["prompts"], repeats=r["rounds"],
              plain_tokens_per_s=r["baseline_output_tokens_per_s"], drafter_tokens_per_s=r["output_tokens_per_s"],
              speedup=r["speedup"], speedup_per_round=r["speedup_per_round"],
@@ -324,10 +365,11 @@ def time_serving(
         return rows
     for b in rec.batches:
         margin = b.best_speedup - b.ngram_speedup if None not in (b.best_speedup, b.ngram_speedup) else None
-        emit(bench="real_model", stage="best_k", dtype=args.serve_dtype, batch=b.batch_size, peagle_k=b.best_k,
+        emit(bench="real_model", stage="best_k", prompt_set=prompt_set, dtype=args.serve_dtype, batch=b.batch_size, peagle_k=b.best_k,
              peagle_speedup=b.best_speedup, ngram_k=b.ngram_k, ngram_speedup=b.ngram_speedup,
              margin_over_ngram=None if margin is None else round(margin, 4))  # fmt: skip
-    emit(bench="real_model", stage="recommendation", method=method, k=rec.k, sentence=rec.sentence())
+    emit(bench="real_model", stage="recommendation", prompt_set=prompt_set, method=method, k=rec.k,
+         sentence=rec.sentence())  # fmt: skip
     return rows
 
 
