@@ -74,8 +74,10 @@ def test_linked_calls_reach_real_resources(app, db_url, spec, redis_conn) -> Non
     try:
         Workflow.run(
             settings=settings(
-                max_examples=60,
-                stateful_step_count=8,
+                # Enough runs and steps that a created dataset is also read before some run deletes it:
+                # at 60 x 8 a full suite's run once drew no such sequence (the draws follow the schema).
+                max_examples=100,
+                stateful_step_count=10,
                 deadline=None,
                 derandomize=True,
                 suppress_health_check=list(HealthCheck),
