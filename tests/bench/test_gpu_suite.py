@@ -15,8 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_suite.py"
-# One xdist worker runs this module, so the module-scoped dry run (~40 s) happens once.
-pytestmark = pytest.mark.xdist_group("gpu_suite")
 
 
 def _load_suite_module() -> Any:
@@ -28,8 +26,7 @@ def _load_suite_module() -> Any:
     return module
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path) -> dict[str, Any]:
+def _dry_run(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("suite_out")
     env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
@@ -40,7 +37,12 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path) ->
     return {"proc": proc, "lines": lines, "by_check": {x["check"]: x for x in lines}, "out": out}
 
 
-def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
+def test_dry_run_passes_every_check_on_the_cpu_and_writes_its_lines_to_out(
+    tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path
+) -> None:
+    # One test, not a fixture shared by two: the dry run takes ~2 min on 2 cores, and xdist ran a
+    # module-scoped fixture once per test when other modules' tests came between them.
+    dry_run = _dry_run(tmp_path_factory, toy_verifier_dir)
     proc, checks = dry_run["proc"], dry_run["by_check"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert checks["summary"]["status"] == "ok" and not checks["summary"]["failed"]
@@ -81,8 +83,7 @@ def test_dry_run_passes_every_check_on_the_cpu(dry_run: dict[str, Any]) -> None:
         else:
             assert side["status"] == "ok" and side["tokens_per_s"] > 0 and side["ours_over_speculators"] > 0
 
-
-def test_dry_run_writes_its_lines_to_out(dry_run: dict[str, Any]) -> None:
+    # what a GPU window brings back: every line also written to $OUT
     written = (dry_run["out"] / "gpu_suite.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in written] == dry_run["lines"]
 
