@@ -59,3 +59,18 @@ def test_gate_noise_trains_its_drafter_through_the_pipeline(
     args = argparse.Namespace(num_layers=1, num_depths=2, draft_vocab=256, seq_len=128, steps=1)
     export = gate_noise.train_drafter(toy_verifier_dir, toy_dataset_path, tmp_path / "run", args)
     assert (export / "config.json").is_file() and (export / "model.safetensors").is_file()
+
+
+def test_loader_disk_builds_its_cache_once_and_times_the_trainers_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import loader_disk
+
+    dataset = loader_disk.SyntheticDataset(20_000)
+    loader_disk.build(tmp_path, dataset)
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    loader_disk.build(tmp_path, dataset)  # a second build finds it complete and writes nothing
+    assert sorted(tmp_path.glob("*.safetensors")) == shards
+    got = loader_disk.read(tmp_path, dataset, batches=3, seq_len=4096)
+    assert got["batches"] == 3 and got["s_per_batch"] > 0 and got["mb_per_s"] > 0
