@@ -29,9 +29,10 @@ def test_dry_run_sizes_each_arm_to_the_written_budget_and_measures_it(tmp_path) 
     assert budget == rows["written"]["pipeline_s"]
     calibrations = {r["calibration"]: r for r in lines if "calibration" in r}
     assert set(calibrations) == {"first", "all"}
-    # regenerating every answer costs more per conversation than the first alone
-    first, every = calibrations["first"], calibrations["all"]
-    assert every["regen_s_per_conversation"] > first["regen_s_per_conversation"] > 0
+    # seconds per conversation size each arm; which arm costs more is a wall-clock race on a shared CI
+    # machine, so only that both were measured is asserted (the sizing itself is checked by the counts below)
+    for calibration in calibrations.values():
+        assert calibration["regen_s_per_conversation"] > 0 and calibration["tokens_per_conversation"] > 0
     assert rows["first"]["conversations"] >= rows["all"]["conversations"] >= 1
 
     # each arm trained on what it says: the first-answer arm's later answers are the source's, as written
