@@ -118,6 +118,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("bench-loader-disk"))
     parser.add_argument("--phase", choices=["read"], help=argparse.SUPPRESS)  # a child's one read
     args = parser.parse_args()
+    for name in ("tokens", "limit_mb", "batches", "seq_len"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     dataset = SyntheticDataset(int(args.tokens))
     cache_dir = args.work / "cache"
     if args.phase == "read":
