@@ -4,6 +4,7 @@ tests/bench/test_bench_scripts.py runs and tests/test_docs_paths.py reads the fl
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -57,3 +58,19 @@ def dry_run(script: str, work: Path, timeout: float = 900) -> list[dict[str, Any
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def bench_module(name: str) -> Any:
+    """bench/<name>.py imported as a module (bench/ is a folder of scripts whose siblings import each other
+    by bare name, so it is on sys.path for the import)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module

@@ -13,17 +13,10 @@ from typing import Any
 
 import pytest
 
+from tests.bench.scripts import bench_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_suite.py"
-
-
-def _load_suite_module() -> Any:
-    """bench/_suite.py, the stage runner (bench/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("_suite", ROOT / "bench" / "_suite.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_suite", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _dry_run(tmp_path_factory: pytest.TempPathFactory, toy_verifier_dir: Path) -> dict[str, Any]:
@@ -123,7 +116,7 @@ def test_without_the_carried_wheels_every_check_needing_them_is_skipped(tmp_path
 
 
 def test_a_missing_piece_skips_only_the_checks_that_need_it(tmp_path: Path) -> None:
-    gs = _load_suite_module()
+    gs = bench_module("_suite")
     suite = gs.Suite(budget_s=60, out_path=tmp_path / "s.jsonl")
     suite.have("vllm_cuda", False, "vllm is not installed")
     suite.have("device", True)
@@ -146,7 +139,7 @@ def test_a_missing_piece_skips_only_the_checks_that_need_it(tmp_path: Path) -> N
 
 
 def test_a_stage_stops_at_its_cap_and_the_next_one_runs(tmp_path: Path) -> None:
-    gs = _load_suite_module()
+    gs = bench_module("_suite")
     suite = gs.Suite(budget_s=60)
 
     def spin(cap: float) -> dict[str, Any]:
@@ -164,14 +157,14 @@ def test_a_stage_stops_at_its_cap_and_the_next_one_runs(tmp_path: Path) -> None:
 
 
 def test_stages_past_the_deadline_are_skipped_as_out_of_time() -> None:
-    gs = _load_suite_module()
+    gs = bench_module("_suite")
     suite = gs.Suite(budget_s=1)
     result = suite.stage("late", lambda cap: {"ran": True})
     assert result is None and suite.results == {"late": "skipped"}
 
 
 def test_only_runs_the_named_stages_and_the_always_ones() -> None:
-    gs = _load_suite_module()
+    gs = bench_module("_suite")
     suite = gs.Suite(budget_s=60, only=("cached",))
     for name, always in (("preflight", True), ("cache_build@64", False), ("cached_step@64", False)):
         suite.stage(name, lambda cap: {}, always=always)

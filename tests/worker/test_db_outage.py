@@ -1,7 +1,10 @@
-"""A database outage mid-job: Postgres (a private server of this test's own) is stopped for a minute while a
-job trains. Training goes on, its progress is buffered and written when the database returns, the
-reconciler does not take the job for dead, the API answers 503 with Retry-After meanwhile and recovers
-without a restart, and the job succeeds on its first attempt."""
+"""A database outage mid-job: Postgres (a private server of this test's own) is stopped while a job trains,
+for 2.5x the time after which a heartbeat counts as stale. Training goes on, its progress is buffered and
+written when the database returns, the reconciler does not take the job for dead, the API answers 503 with
+Retry-After meanwhile and recovers without a restart, and the job succeeds on its first attempt.
+
+The full minute (and repeated trials) is `bench/chaos.py --pg-outage N --outage-s 60`: a long fault scenario,
+kept out of the suite's time."""
 
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ import pytest
 
 from tests.fixtures.pg_cluster import PrivatePostgres, postgres_bindir
 from tests.worker.conftest import Stack, toy_roots, toy_spec
+from worker.monitor import stale_after_s
 
-OUTAGE_S = 60.0
+HEARTBEAT_S = 1.0
+OUTAGE_S = 2.5 * stale_after_s(HEARTBEAT_S)  # 20 s: the database heartbeat is well past stale
 
 
 @pytest.fixture
@@ -33,7 +38,7 @@ def private_pg() -> Iterator[PrivatePostgres]:
         pg.close()
 
 
-def test_a_one_minute_database_outage_mid_job_is_ridden_out(
+def test_a_database_outage_mid_job_is_ridden_out(
     private_pg: PrivatePostgres,
     make_settings: Any,
     redis_conn: Any,
@@ -56,7 +61,7 @@ def test_a_one_minute_database_outage_mid_job_is_ridden_out(
     roots = toy_roots(tmp_path_factory)
     settings = make_settings(
         database_url=private_pg.url,
-        worker_heartbeat_s=1.0,
+        worker_heartbeat_s=HEARTBEAT_S,
         allowed_model_roots=roots,
         allowed_data_roots=roots,
     )
@@ -95,7 +100,7 @@ def test_a_one_minute_database_outage_mid_job_is_ridden_out(
             lambda: client.get(f"/v1/jobs/{job_id}", headers=auth).status_code == 200,
             timeout=60,
         )
-        # The database heartbeat is a minute old, but the worker's Redis liveness key is fresh.
+        # The database heartbeat is stale by its own clock, but the worker's Redis liveness key is fresh.
         assert job_id not in reconcile_once(settings, redis=redis_conn, min_queued_age_s=0).requeued
 
         job = stack.wait_status(job_id, "succeeded", "failed", "cancelled", timeout=600)
