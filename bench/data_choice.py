@@ -80,7 +80,8 @@ class StageClock:
     def stages(self, total: float) -> dict[str, float]:
         order = sorted(self.first.items(), key=lambda kv: kv[1])
         ends = [t for _, t in order[1:]] + [total]
-        return {kind: round(end - start, 1) for (kind, start), end in zip(order, ends, strict=True)}
+        # ms: a tiny arm's stage (the dry run's regeneration of a conversation or two) can take under 0.1 s
+        return {kind: round(end - start, 3) for (kind, start), end in zip(order, ends, strict=True)}
 
 
 def run_arm(args: argparse.Namespace, raw: dict[str, Any], name: str) -> dict[str, Any]:

@@ -32,7 +32,11 @@ from peagle_core.vllm_engine import vllm_available
 from tests.core.helpers import make_spec
 from tests.fixtures.toy import TOY_SEQ_LEN
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+# One xdist worker runs the module: its vLLM engine and caches are module fixtures, built once per worker.
+pytestmark = [
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+    pytest.mark.xdist_group("vllm_hidden_states"),
+]
 
 ATOL = RTOL = 2e-5
 SHARD_BYTES = 1_500_000  # several fp32 shards for the 64-sample toy dataset

@@ -23,6 +23,8 @@ from tests.fixtures.wait import wait_until
 from tests.worker.conftest import Stack, toy_spec
 
 pytest.importorskip("mlflow", reason="the trackers extra is not installed")
+# One xdist worker runs the module: the mlflow server is a module fixture, started once per worker.
+pytestmark = pytest.mark.xdist_group("trackers")
 
 
 @pytest.fixture(scope="module")
