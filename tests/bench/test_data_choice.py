@@ -9,8 +9,7 @@ import json
 import pytest
 
 from peagle_core.data.formats import iter_rows
-from tests.bench.scripts import bench_module as _bench_module
-from tests.bench.scripts import dry_run
+from tests.bench.scripts import bench_module, dry_run
 
 
 @pytest.mark.slow
@@ -37,7 +36,7 @@ def test_dry_run_sizes_each_arm_to_the_written_budget_and_measures_it(tmp_path) 
         rates = calibrations[arm]
         assert rates["regen_s_per_conversation"] > 0 and rates["tokens_per_conversation"] > 0
         sized = next(r for r in lines if r.get("arm") == arm and "budget_s" in r)
-        expected = _bench_module("data_choice").conversations_for(budget, s_per_token, rates, sized["of"])
+        expected = bench_module("data_choice").conversations_for(budget, s_per_token, rates, sized["of"])
         assert sized["conversations"] == rows[arm]["conversations"] == expected >= 1
 
     # each arm trained on what it says: the first-answer arm's later answers are the source's, as written
