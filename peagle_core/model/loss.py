@@ -6,9 +6,10 @@ both distributions, the loss and its gradients (w.r.t. the hidden rows and the l
 drops the logits. Teacher logits are computed once per distinct target position, not once per row.
 
 Per chunk, everything between the matmuls (softmax statistics, KL, argmax, the logits' gradient) is two
-row-wise kernels over the [rows, V] logits. On CPU they are compiled (TorchInductor fuses each into one
-or two passes over the logits; eager PyTorch makes about a dozen, which cost as much as the matmuls);
-the same functions run eagerly where compiling is off or fails. The matmuls run in `compute_dtype`
+row-wise kernels over the [rows, V] logits. On CPU they run as C++ (`kl_rows_native`: one pass per row),
+or compiled by TorchInductor where that does not build (a few passes over the chunk; eager PyTorch makes
+about a dozen, which cost as much as the matmuls); the same functions run eagerly where compiling is off
+or fails. The matmuls run in `compute_dtype`
 (bf16 under autocast); statistics, the loss and the gradient accumulators are fp32.
 """
 
@@ -22,6 +23,8 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
+
+from peagle_core.model.kl_rows_native import native_row_kernels
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +133,19 @@ def _rows_dynamic(kernel: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[.
 
 @cache
 def _compiled_kernels() -> Kernels:
-    return tuple(_rows_dynamic(kernel) for kernel in EAGER_KERNELS)
+    compiled = tuple(_rows_dynamic(kernel) for kernel in EAGER_KERNELS)
+    native = native_row_kernels()
+    if native is None:
+        return compiled
+    native_teacher, native_draft = native
+
+    def draft(*args: object) -> tuple[torch.Tensor, ...]:
+        *stats_args, tv_weight = args
+        if tv_weight:  # the TV term has no C++ kernel
+            return compiled[1](*args)
+        return native_draft(*stats_args)
+
+    return (native_teacher, draft, *compiled[2:])
 
 
 def loss_kernels(device: torch.device) -> Kernels:

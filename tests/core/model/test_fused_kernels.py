@@ -1,12 +1,15 @@
 """The CPU fast path against its references: the fused flash-attention kernel against dense attention
-(forward and gradients, on every layout training builds), and the compiled loss kernels against the
+(forward and gradients, on every layout training builds), and the loss kernels (C++, compiled, eager) against the
 unfused loss (forward and gradients), in fp32 and under bf16 autocast."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from peagle_core.model import kl_rows_native
 from peagle_core.model import loss as loss_module
 from peagle_core.model.attention import AttentionLayout, parallel_group_attention
 from peagle_core.model.cod import sample_cod_indices
@@ -129,11 +132,18 @@ def _loss_case(n: int = 300, targets: int = 90, hidden: int = 24, vocab: int = 1
     return h, w, th, tw, target, row_w
 
 
-@pytest.fixture(params=["compiled", "eager"])
-def loss_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("PEAGLE_COMPILE", "1" if request.param == "compiled" else "0")
+@pytest.fixture(params=["native", "compiled", "eager"])
+def loss_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """native: the C++ row kernels (the CPU default); compiled: Inductor's, as where C++ does not build."""
+    monkeypatch.setenv("PEAGLE_COMPILE", "0" if request.param == "eager" else "1")
     monkeypatch.setattr(loss_module, "_CHUNK_LOGIT_BYTES", 4 * 1000 * 64)  # 64-row chunks: several per call
-    return request.param
+    if request.param == "compiled":
+        monkeypatch.setattr(loss_module, "native_row_kernels", lambda: None)
+    loss_module._compiled_kernels.cache_clear()
+    if request.param == "native":
+        assert loss_module._compiled_kernels()[0] is kl_rows_native.teacher_stats  # it built
+    yield request.param
+    loss_module._compiled_kernels.cache_clear()
 
 
 def test_fused_loss_equals_reference_forward_and_gradients(loss_kernels: str) -> None:
