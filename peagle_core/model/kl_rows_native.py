@@ -50,7 +50,7 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.contiguous()
 
 
-def teacher_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def native_teacher_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`peagle_core.model.loss.teacher_stats` in one pass per row."""
     kernels = _built()
     assert kernels is not None, "native_row_kernels() said whether they built"
@@ -63,7 +63,7 @@ def teacher_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return p, neg_entropy, argmax
 
 
-def draft_stats(
+def native_draft_stats(
     logits: torch.Tensor,
     p: torch.Tensor,
     neg_entropy: torch.Tensor,
@@ -97,4 +97,4 @@ def draft_stats(
 
 def native_row_kernels() -> tuple[TeacherKernel, DraftKernel] | None:
     """The two kernels, built on first use (a few seconds, then cached on disk); None where that fails."""
-    return (teacher_stats, draft_stats) if _built() is not None else None
+    return (native_teacher_stats, native_draft_stats) if _built() is not None else None

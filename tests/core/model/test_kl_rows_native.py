@@ -30,7 +30,7 @@ def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_teacher_stats_equal_the_reference(dtype: torch.dtype, vocab: int) -> None:
     logits = _logits(70, vocab, dtype, seed=vocab)
-    p, neg_entropy, argmax = kl_rows_native.teacher_stats(logits)
+    p, neg_entropy, argmax = kl_rows_native.native_teacher_stats(logits)
     p_want, neg_want, argmax_want = teacher_stats(logits)
     torch.testing.assert_close(p, p_want, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(neg_entropy, neg_want, rtol=1e-5, atol=5e-5)  # fp32 sums of 8k terms
@@ -50,7 +50,7 @@ def test_draft_stats_equal_the_reference(dtype: torch.dtype, grad_dtype: torch.d
     inverse = torch.sort(torch.randint(0, 40, (90,), generator=g)).values
     row_weight = torch.rand(90, generator=g)
     row_weight[5] = 0.0
-    got = kl_rows_native.draft_stats(logits, p, neg_entropy, inverse, row_weight, grad_dtype)
+    got = kl_rows_native.native_draft_stats(logits, p, neg_entropy, inverse, row_weight, grad_dtype)
     want = draft_stats(logits, p, neg_entropy, inverse, row_weight, grad_dtype)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=2e-5)  # KL per row
     assert torch.equal(got[1], want[1])  # argmax, ties included
@@ -64,9 +64,9 @@ def test_draft_stats_refuse_mismatched_inputs() -> None:
     p, neg_entropy, _ = teacher_stats(torch.randn(4, 16))
     logits, weight = torch.randn(6, 16), torch.ones(6)
     with pytest.raises(ValueError, match="inverse indexes past p"):
-        kl_rows_native.draft_stats(logits, p, neg_entropy, torch.full((6,), 4), weight, torch.float32)
+        kl_rows_native.native_draft_stats(logits, p, neg_entropy, torch.full((6,), 4), weight, torch.float32)
     with pytest.raises(ValueError, match=r"p must be fp32 \[u, 16\]"):
-        kl_rows_native.draft_stats(logits, p[:, :8], neg_entropy, torch.zeros(6, dtype=torch.long), weight,
+        kl_rows_native.native_draft_stats(logits, p[:, :8], neg_entropy, torch.zeros(6, dtype=torch.long), weight,
                                    torch.float32)  # fmt: skip
     with pytest.raises(ValueError, match="logits must be a 2-D"):
-        kl_rows_native.teacher_stats(torch.randn(16, dtype=torch.float64))
+        kl_rows_native.native_teacher_stats(torch.randn(16, dtype=torch.float64))
