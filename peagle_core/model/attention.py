@@ -7,7 +7,7 @@ Every query therefore sees a causal, in-document prefix of depth-0 keys plus at 
 chain. The CPU path exploits that: a chunked, memory-efficient attention over the depth-0 prefix (no
 N x N tensor, float or bool) merged by log-sum-exp with a tiny per-chain term. `fused` (CPU default)
 runs each chunk's forward through ATen's CPU flash-attention kernel and its backward as batched
-matmuls; `chunked` is the same computation in plain PyTorch ops. CUDA uses FlexAttention with a
+matmuls with the elementwise steps between them in C++ (`csrc/attention_rows.cpp`); `chunked` is the same computation in plain PyTorch ops. CUDA uses FlexAttention with a
 block mask built from the same rule; `parallel_group_mask` is the dense reference.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal, Protocol
@@ -23,6 +24,8 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from peagle_core.model.cpp_kernels import load
+from peagle_core.model.loss import compile_enabled
 from peagle_core.model.precision import has_amx
 
 Backend = Literal["auto", "fused", "chunked", "flex", "dense"]
@@ -350,23 +353,48 @@ def _matmul_backward(ctx, q, k, v, out, lse, key_lo, key_hi, grad_out, grad_lse)
     k32, v32 = k.to(f32), v.to(f32)
     dq_r = torch.zeros_like(q_r)
     dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    native = attention_row_kernels() if q.device.type == "cpu" and compile_enabled() else None
+    key_lo, key_hi = key_lo.contiguous(), key_hi.contiguous()
     for r0, r1, k0, k1 in ctx.chunks:
         if k1 <= k0:
             continue
         c, span = (r1 - r0) * g, k1 - k0
         qc, go = q_r[:, r0:r1].view(hkv, c, dh), go_r[:, r0:r1].view(hkv, c, dh)
         kc, vc = k32[:, k0:k1], v32[:, k0:k1]
-        p = torch.bmm(qc, kc.transpose(1, 2)).mul_(ctx.scale)
-        hidden = ~_chunk_visible(key_lo[r0:r1], key_hi[r0:r1], k0, k1)
-        p.view(hkv, r1 - r0, g, span).masked_fill_(hidden[None, :, None, :], float("-inf"))
-        p.sub_(lse_r[:, r0:r1].reshape(hkv, c, 1)).exp_()
+        p = torch.bmm(qc, kc.transpose(1, 2))
         ds = torch.bmm(go, vc.transpose(1, 2))
-        ds.sub_(delta_r[:, r0:r1].reshape(hkv, c, 1)).mul_(p)
+        if native is not None:  # the same two steps, one pass each (csrc/attention_rows.cpp)
+            lo, hi, stride = key_lo[r0:r1], key_hi[r0:r1], lse_r.stride(0)
+            native[0](p, lse_r[:, r0:r1], lo, hi, hkv, r1 - r0, g, span, stride, k0, ctx.scale)
+            native[1](ds, p, delta_r[:, r0:r1], lo, hi, hkv, r1 - r0, g, span, stride, k0)
+        else:
+            p.mul_(ctx.scale)
+            hidden = ~_chunk_visible(key_lo[r0:r1], key_hi[r0:r1], k0, k1)
+            p.view(hkv, r1 - r0, g, span).masked_fill_(hidden[None, :, None, :], float("-inf"))
+            p.sub_(lse_r[:, r0:r1].reshape(hkv, c, 1)).exp_()
+            ds.sub_(delta_r[:, r0:r1].reshape(hkv, c, 1)).mul_(p)
         torch.bmm(ds, kc, out=dq_r[:, r0:r1].view(hkv, c, dh))
         dk[:, k0:k1] += torch.bmm(ds.transpose(1, 2), qc)
         dv[:, k0:k1] += torch.bmm(p.transpose(1, 2), go)
     dq = dq_r.mul_(ctx.scale).transpose(1, 2)
     return dq.to(q.dtype), dk.mul_(ctx.scale).to(k.dtype), dv.to(v.dtype)
+
+
+_PROBS_ARGS = ("float*", "const float*", "const int64_t*", "const int64_t*", *("int64_t",) * 6, "float")
+_DSOFTMAX_ARGS = (
+    "float*",
+    "const float*",
+    "const float*",
+    "const int64_t*",
+    "const int64_t*",
+    *("int64_t",) * 6,
+)
+
+
+def attention_row_kernels() -> tuple[Callable[..., None], ...] | None:
+    """The backward's per-chunk probabilities and softmax gradient in C++ (`csrc/attention_rows.cpp`), or
+    None where they do not build."""
+    return load("attention_rows.cpp", (("ATTN_PROBS", _PROBS_ARGS), ("ATTN_DSOFTMAX", _DSOFTMAX_ARGS)))
 
 
 def _chunk_visible(lo: torch.Tensor, hi: torch.Tensor, k0: int, k1: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The loss's teacher and drafter row kernels in C++ for CPU (`csrc/kl_rows.cpp`), built by TorchInductor's
-C++ loader once per machine; None where that build fails, and the loss keeps its compiled kernels.
+"""The loss's teacher and drafter row kernels in C++ for CPU (`csrc/kl_rows.cpp`, built by `cpp_kernels`);
+where that build fails, the loss keeps its compiled kernels.
 
 Inductor's versions of the same functions make a pass over the whole [rows, V] chunk per reduction and
 take two exps per logit; these take one pass per row, the row in cache, and one exp: at SmolLM2's [1024,
@@ -9,39 +9,25 @@ take two exps per logit; these take one pass per row, the row in cache, and one 
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
-from importlib import resources
 
 import torch
 
-log = logging.getLogger(__name__)
+from peagle_core.model.cpp_kernels import load
 
-_TEACHER_ARGS = ["const void*", "int64_t", "float*", "float*", "int64_t*", "int64_t", "int64_t"]
-_DRAFT_ARGS = [
+_TEACHER_ARGS = ("const void*", "int64_t", "float*", "float*", "int64_t*", "int64_t", "int64_t")
+_DRAFT_ARGS = (
     "const void*", "int64_t", "const float*", "const float*", "const int64_t*", "const float*", "float*",
     "int64_t*", "void*", "int64_t", "int64_t", "int64_t",
-]  # fmt: skip
+)  # fmt: skip
 _DTYPES = (torch.float32, torch.bfloat16)
 
 TeacherKernel = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 DraftKernel = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-@functools.cache
-def _built() -> tuple[Callable[..., None], Callable[..., None]] | None:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    source = resources.files("peagle_core.model").joinpath("csrc/kl_rows.cpp").read_text()
-    try:
-        return tuple(  # type: ignore[return-value]
-            CppPythonBindingsCodeCache.load_pybinding(args, f"#define {define}\n{source}", needs_vec_isa=True)
-            for define, args in (("KL_ROWS_TEACHER", _TEACHER_ARGS), ("KL_ROWS_DRAFT", _DRAFT_ARGS))
-        )
-    except Exception:
-        log.warning("building the loss's C++ row kernels failed; using the compiled ones", exc_info=True)
-        return None
+def _built() -> tuple[Callable[..., None], ...] | None:
+    return load("kl_rows.cpp", (("KL_ROWS_TEACHER", _TEACHER_ARGS), ("KL_ROWS_DRAFT", _DRAFT_ARGS)))
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:

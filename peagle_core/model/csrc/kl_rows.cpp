@@ -2,7 +2,7 @@
 // the row kept in cache, one exp per logit. Same contract as `teacher_stats` and `draft_stats` in
 // peagle_core/model/loss.py (their reference; tests compare both, forward and gradient).
 //
-// Built by TorchInductor's C++ loader (peagle_core/model/kl_rows_native.py): its compiler, vector-ISA flags,
+// Built by TorchInductor's C++ loader (peagle_core/model/cpp_kernels.py): its compiler, vector-ISA flags,
 // OpenMP and on-disk cache. Each kernel is compiled alone as `kernel` (KL_ROWS_TEACHER or KL_ROWS_DRAFT).
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

@@ -1,5 +1,5 @@
 """The CPU fast path against its references: the fused flash-attention kernel against dense attention
-(forward and gradients, on every layout training builds), and the loss kernels (C++, compiled, eager) against the
+(forward and gradients, on every layout training builds; its backward's C++ steps against their PyTorch ops), and the loss kernels (C++, compiled, eager) against the
 unfused loss (forward and gradients), in fp32 and under bf16 autocast."""
 
 from __future__ import annotations
@@ -84,6 +84,27 @@ def test_fused_attention_with_many_small_chunks(monkeypatch: pytest.MonkeyPatch)
         strict=True,
     ):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_fused_attention_backward_in_cpp_equals_its_pytorch_steps(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The backward's probabilities and softmax gradient run in C++ on CPU (csrc/attention_rows.cpp);
+    # the PyTorch ops they replace (where the C++ does not build) are their reference. Small chunks:
+    # chunk edges cut through documents and chains.
+    import peagle_core.model.attention as attention
+
+    assert attention.attention_row_kernels() is not None  # it built
+    monkeypatch.setattr(attention, "_CHUNK_SCORE_BYTES", 2048)
+    layout = AttentionLayout.build(*LAYOUTS[name](), num_heads=6)
+    native = _attention_grads(layout, "fused", dtype)
+    monkeypatch.setattr(attention, "attention_row_kernels", lambda: None)
+    steps = _attention_grads(layout, "fused", dtype)
+    tol = {"atol": 2e-6, "rtol": 2e-6} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    for what, a, b in zip(("out", "dq", "dk", "dv"), native, steps, strict=True):
+        torch.testing.assert_close(a, b, **tol, msg=what)
 
 
 def _assert_aligned(fused: tuple[torch.Tensor, ...], dense: tuple[torch.Tensor, ...]) -> None:
