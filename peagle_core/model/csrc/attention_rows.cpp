@@ -26,6 +26,24 @@ inline std::pair<int64_t, int64_t> visible(const int64_t* lo, const int64_t* hi,
   return {first, last};
 }
 
+// For every score row of a chunk ([hkv, c, span] at `scores`), in parallel: zero the columns outside the
+// row's visible keys, then fn(h, i, row, first, last) for score row i of head h and its visible columns.
+template <typename F>
+void for_each_row(float* scores, int64_t hkv, int64_t rows, int64_t g, int64_t span, const int64_t* lo,
+                  const int64_t* hi, int64_t k0, F fn) {
+  const int64_t c = rows * g;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t i = 0; i < c; ++i) {
+      float* row = scores + (h * c + i) * span;
+      auto [first, last] = visible(lo, hi, i / g, k0, span);
+      std::fill(row, row + first, 0.f);
+      std::fill(row + last, row + span, 0.f);
+      fn(h, i, row, first, last);
+    }
+  }
+}
+
 }  // namespace attention_rows
 
 #ifdef ATTN_PROBS
@@ -34,23 +52,17 @@ inline std::pair<int64_t, int64_t> visible(const int64_t* lo, const int64_t* hi,
 extern "C" void kernel(float* s, const float* lse, const int64_t* lo, const int64_t* hi, int64_t hkv,
                        int64_t rows, int64_t g, int64_t span, int64_t head_stride, int64_t k0, float scale) {
   using namespace attention_rows;
-  const int64_t c = rows * g;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t h = 0; h < hkv; ++h) {
-    for (int64_t i = 0; i < c; ++i) {
-      float* row = s + (h * c + i) * span;
-      auto [first, last] = visible(lo, hi, i / g, k0, span);
-      const float l = lse[h * head_stride + i];
-      std::fill(row, row + first, 0.f);
-      std::fill(row + last, row + span, 0.f);
-      const Vec vscale(scale), vl(l);
-      int64_t j = first;
-      for (; j + kLanes <= last; j += kLanes) {
-        at::vec::fmsub(Vec::loadu(row + j), vscale, vl).exp_u20().store(row + j);
-      }
-      for (; j < last; ++j) row[j] = std::exp(row[j] * scale - l);
+  const Vec vscale(scale);
+  auto probs = [&](int64_t h, int64_t i, float* row, int64_t first, int64_t last) {
+    const float l = lse[h * head_stride + i];
+    const Vec vl(l);
+    int64_t j = first;
+    for (; j + kLanes <= last; j += kLanes) {
+      at::vec::fmsub(Vec::loadu(row + j), vscale, vl).exp_u20().store(row + j);
     }
-  }
+    for (; j < last; ++j) row[j] = std::exp(row[j] * scale - l);
+  };
+  for_each_row(s, hkv, rows, g, span, lo, hi, k0, probs);
 }
 #endif
 
@@ -60,23 +72,16 @@ extern "C" void kernel(float* s, const float* lse, const int64_t* lo, const int6
 extern "C" void kernel(float* ds, const float* p, const float* delta, const int64_t* lo, const int64_t* hi,
                        int64_t hkv, int64_t rows, int64_t g, int64_t span, int64_t head_stride, int64_t k0) {
   using namespace attention_rows;
-  const int64_t c = rows * g;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t h = 0; h < hkv; ++h) {
-    for (int64_t i = 0; i < c; ++i) {
-      float* row = ds + (h * c + i) * span;
-      const float* prow = p + (h * c + i) * span;
-      auto [first, last] = visible(lo, hi, i / g, k0, span);
-      const float d = delta[h * head_stride + i];
-      std::fill(row, row + first, 0.f);
-      std::fill(row + last, row + span, 0.f);
-      const Vec vd(d);
-      int64_t j = first;
-      for (; j + kLanes <= last; j += kLanes) {
-        ((Vec::loadu(row + j) - vd) * Vec::loadu(prow + j)).store(row + j);
-      }
-      for (; j < last; ++j) row[j] = (row[j] - d) * prow[j];
+  auto dsoftmax = [&](int64_t h, int64_t i, float* row, int64_t first, int64_t last) {
+    const float* prow = p + (row - ds);
+    const float d = delta[h * head_stride + i];
+    const Vec vd(d);
+    int64_t j = first;
+    for (; j + kLanes <= last; j += kLanes) {
+      ((Vec::loadu(row + j) - vd) * Vec::loadu(prow + j)).store(row + j);
     }
-  }
+    for (; j < last; ++j) row[j] = (row[j] - d) * prow[j];
+  };
+  for_each_row(ds, hkv, rows, g, span, lo, hi, k0, dsoftmax);
 }
 #endif

@@ -167,14 +167,15 @@ extern "C" void kernel(const void* logits, int64_t logits_bf16, float* p, float*
 // logits [c, V], p [u, V], neg_entropy [u], inverse [c], row_weight [c] -> loss [c], argmax [c], grad [c, V]
 // (bf16 where the flags say so, else fp32).
 extern "C" void kernel(const void* logits, int64_t logits_bf16, const float* p, const float* neg_entropy,
-                       const int64_t* inverse, const float* row_weight, float* loss, int64_t* argmax, void* grad,
-                       int64_t grad_bf16, int64_t c, int64_t V) {
+                       const int64_t* inverse, const float* row_weight, float* loss, int64_t* argmax,
+                       void* grad, int64_t grad_bf16, int64_t c, int64_t V) {
   auto run = [&](auto* z) {
     if (grad_bf16) {
       kl_rows::draft_rows(z, p, neg_entropy, inverse, row_weight, c, V, loss, argmax,
                           static_cast<c10::BFloat16*>(grad));
     } else {
-      kl_rows::draft_rows(z, p, neg_entropy, inverse, row_weight, c, V, loss, argmax, static_cast<float*>(grad));
+      kl_rows::draft_rows(z, p, neg_entropy, inverse, row_weight, c, V, loss, argmax,
+                          static_cast<float*>(grad));
     }
   };
   if (logits_bf16) {
