@@ -89,15 +89,17 @@ def main() -> None:
          seconds=round(time.monotonic() - t0, 1))  # fmt: skip
     prompts = mt_bench_prompts(args.eval_prompts)
     timing = prompts[: recipe.eval_prompts if args.timing_prompts is None else args.timing_prompts]
+    # The job's own evaluation needs prompts even where nothing is timed (--timing-prompts 0).
+    job_prompts = timing or prompts[: recipe.eval_prompts]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.drafters:
         drafters = {m: Path(d) for m, _, d in (item.partition("=") for item in args.drafters.split(","))}
     elif args.drafter is not None:
         drafters = {methods[0]: args.drafter}
     elif len(methods) == 1:
-        drafters = {methods[0]: train(args, recipe, verifier, timing, method=methods[0])[0]}
+        drafters = {methods[0]: train(args, recipe, verifier, job_prompts, method=methods[0])[0]}
     else:
-        drafters = train_at_equal_time(args, recipe, verifier, timing, methods)
+        drafters = train_at_equal_time(args, recipe, verifier, job_prompts, methods)
     code = code_prompts(verifier, args.code_prompts)
     rows: dict[str, list[dict[str, Any]]] = {}
     for method, drafter in drafters.items():
