@@ -7,7 +7,8 @@ Every query therefore sees a causal, in-document prefix of depth-0 keys plus at 
 chain. The CPU path exploits that: a chunked, memory-efficient attention over the depth-0 prefix (no
 N x N tensor, float or bool) merged by log-sum-exp with a tiny per-chain term. `fused` (CPU default)
 runs each chunk's forward through ATen's CPU flash-attention kernel and its backward as batched
-matmuls with the elementwise steps between them in C++ (`csrc/attention_rows.cpp`); `chunked` is the same computation in plain PyTorch ops. CUDA uses FlexAttention with a
+matmuls with the elementwise steps between them in C++ (`csrc/attention_rows.cpp`); `chunked` is the
+same computation in plain PyTorch ops. CUDA uses FlexAttention with a
 block mask built from the same rule; `parallel_group_mask` is the dense reference.
 """
 
