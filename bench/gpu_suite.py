@@ -414,7 +414,7 @@ def train_throughput(ctx: Context, cap_s: float) -> dict[str, Any]:
     attention, eager loss) beside the new one and speculators'. The CPU dry run times two steps of the new
     path on a short row."""
     if ctx.dry_run:
-        args = ["--variants", "new", "--steps", "1", "--warmup", "1", "--seq-len", "512"]
+        args = ["--variants", "new", "--steps", "1", "--warmup", "1", "--seq-len", "512", "--compile", "off"]
     else:
         args = ["--steps", "10", "--warmup", "3"]
     lines = _bench_child("train_throughput.py", ["--shape", "smollm2", *args], cap_s)

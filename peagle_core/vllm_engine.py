@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -258,8 +260,14 @@ def _child_main(conn: Any) -> None:
     state: dict[str, Any] = {"config": None, "llm": None, "builds": 0}
     try:
         serve(conn, lambda message: _serve_generate(state, message))
-    finally:
+    except BaseException:
         _drop_engine(state)
+        raise
+    # The engine runs in this process (the "uni" executor, no engine-core process), so nothing outlives
+    # it: the exit skips vLLM's teardown and the interpreter's, ~4 s of every close (measured on a CPU).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:

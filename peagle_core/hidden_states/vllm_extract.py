@@ -11,6 +11,7 @@ from the shards already in the manifest. Data parallelism is one child per repli
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -193,6 +194,12 @@ def _child_main(conn: Any, config: dict[str, Any], devices: str | None) -> None:
             return {"error": f"vLLM failed computing hidden states: {describe_error(exc)}"}
 
     serve(conn, answer, stop_on_error=True)
+    if config["tensor_parallel_size"] == 1:
+        # One process holds the engine and every shard is in the cache once its fill answered: the exit
+        # skips vLLM's teardown and the interpreter's (seconds). Tensor-parallel workers get vLLM's own.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _build_engine(config: VllmHiddenStatesConfig) -> tuple[Any, dict[str, Any]]:

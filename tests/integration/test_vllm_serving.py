@@ -204,11 +204,21 @@ def test_peagle_eval_reports_both_engines_on_the_same_prompts(
 
 
 def test_the_judge_reports_categories_and_vllms_speedups_and_how_to_serve(
-    vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, ours_at_3
+    vllm_engine, exported_drafters, toy_verifier_dir, serving_prompts, plain_greedy, ours_at_3, monkeypatch
 ) -> None:
+    from peagle_core.serving import judge as judge_module
     from peagle_core.serving.judge import VllmJudge
     from peagle_core.serving.recommendation import ServingRecommendation
 
+    started: list[object] = []
+
+    class CountedProcess(judge_module.VllmProcess):
+        def start(self):
+            if self._child is None:
+                started.append(self)
+            return super().start()
+
+    monkeypatch.setattr(judge_module, "VllmProcess", CountedProcess)
     categories = ["even" if i % 2 == 0 else None for i in range(len(serving_prompts))]
     judge = VllmJudge(
         str(toy_verifier_dir), serving_prompts, SERVING_NEW_TOKENS, categories=categories, process=vllm_engine
@@ -225,6 +235,9 @@ def test_the_judge_reports_categories_and_vllms_speedups_and_how_to_serve(
     )
     judge.close()
     assert vllm_engine.generate(str(toy_verifier_dir), serving_prompts[:1], 2).tokens  # still the session's
+    # Engine processes beside the judge's: the plain side's, which ends with the last ngram K, and one for
+    # the other ngram K; every one closed.
+    assert len(started) == 2 and all(p._child is None for p in started)
     # Each category decoded as its own batch; pooled, they are the whole set's figures.
     cats = check.categories
     assert list(cats) == ["even", "uncategorised"]
