@@ -22,18 +22,23 @@ def emit(**fields: Any) -> None:
 
 
 def gemm_peak_flops(
-    n: int = 2048, repeats: int = 5, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    n: int = 2048,
+    repeats: int = 5,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    min_seconds: float = 1.0,
 ) -> float:
     """Best observed FLOP/s of an n x n matmul on `device` in `dtype` (fp32 by default): the denominator
-    of MFU."""
+    of MFU. At least `repeats` samples, and more until `min_seconds` have passed: five AMX samples span
+    35 ms, and one disturbance that long halved a run's peak (and doubled its MFU)."""
     import torch
 
     dtype = dtype or torch.float32
     device = torch.device(device)
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     a @ b  # warm up the BLAS thread pool / cuBLAS handle
-    best = float("inf")
-    for _ in range(repeats):
+    best, samples, start = float("inf"), 0, time.perf_counter()
+    while samples < repeats or time.perf_counter() - start < min_seconds:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -41,6 +46,7 @@ def gemm_peak_flops(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
+        samples += 1
     return 2 * n**3 / best
 
 
