@@ -1,9 +1,14 @@
-"""Stopping a child process: ask it to stop (SIGTERM), give it `grace_s` seconds, then kill it."""
+"""Ending processes: stopping a child (SIGTERM, `grace_s` seconds, then kill), and a finished process
+leaving at once."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.process
+import os
 import subprocess
+import sys
+from typing import NoReturn
 
 
 def stop_process(proc: subprocess.Popen | multiprocessing.process.BaseProcess, grace_s: float) -> int | None:
@@ -24,3 +29,13 @@ def stop_process(proc: subprocess.Popen | multiprocessing.process.BaseProcess, g
             proc.kill()
     proc.join()
     return proc.exitcode
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a process once its work and reports are done: flush, then `os._exit`, so that no destructor or
+    teardown run at interpreter exit (torch.distributed's, vLLM's) can keep a finished process alive or
+    cost it seconds."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

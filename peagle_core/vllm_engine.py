@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any, Literal
 
 from peagle_core.errors import PeagleError
 from peagle_core.figures import Acceptance
+from peagle_core.processes import exit_now
 from peagle_core.vllm_child import VllmChild, describe_error, enter_child, new_llm, serve
 
 _COUNTERS = {
@@ -265,9 +264,7 @@ def _child_main(conn: Any) -> None:
         raise
     # The engine runs in this process (the "uni" executor, no engine-core process), so nothing outlives
     # it: the exit skips vLLM's teardown and the interpreter's, ~4 s of every close (measured on a CPU).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def _serve_generate(state: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:

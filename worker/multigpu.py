@@ -32,12 +32,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 from peagle_core.errors import PeagleError
 from peagle_core.io import atomic_write_json
 from peagle_core.pipeline.stages import PipelineResult
-from peagle_core.processes import stop_process
+from peagle_core.processes import exit_now, stop_process
 from peagle_core.spec import JobSpec, load_spec
 from service.settings import Settings
 from worker.attempt import AttemptContext
@@ -407,15 +406,6 @@ def _train_rank(
     if rank == 0:
         atomic_write_json(args.result, result.to_dict())
     return 0
-
-
-def exit_now(code: int) -> NoReturn:
-    """End a rank process once its work and reports are done: flush, then `os._exit`, so that no
-    destructor run at interpreter exit (torch.distributed's included) can keep a finished rank alive."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

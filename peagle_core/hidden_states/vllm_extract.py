@@ -11,7 +11,6 @@ from the shards already in the manifest. Data parallelism is one child per repli
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_core.errors import PeagleError
+from peagle_core.processes import exit_now
 from peagle_core.vllm_child import VllmChild, describe_error, enter_child, new_llm, serve
 
 CONNECTOR = "PeagleHiddenStatesConnector"
@@ -197,9 +197,7 @@ def _child_main(conn: Any, config: dict[str, Any], devices: str | None) -> None:
     if config["tensor_parallel_size"] == 1:
         # One process holds the engine and every shard is in the cache once its fill answered: the exit
         # skips vLLM's teardown and the interpreter's (seconds). Tensor-parallel workers get vLLM's own.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_now(0)
 
 
 def _build_engine(config: VllmHiddenStatesConfig) -> tuple[Any, dict[str, Any]]:

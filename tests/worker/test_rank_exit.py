@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from peagle_core.training import distributed as dist_utils
-from worker.multigpu import exit_now
+from peagle_core.processes import exit_now
 
 torch.set_num_threads(1)
 info = dist_utils.init_distributed()
