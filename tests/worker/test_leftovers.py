@@ -30,3 +30,34 @@ def test_children_left_running_are_ended_stubborn_ones_killed() -> None:
     assert sorted(result["ended"]) == sorted(result["started"]) and result["after"] == []
     assert not any(psutil.pid_exists(pid) for pid in result["started"])
     assert "stopping 2 process(es) the job left running" in out.stderr
+
+
+# A spawned child starts multiprocessing's resource tracker, which ignores SIGTERM; one spawned child is left
+# running (it holds the tracker's pipe too), one has exited.
+TRACKER_SCRIPT = """
+import json, multiprocessing as mp, time
+from multiprocessing import resource_tracker
+from worker.leftovers import end_children
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    done = ctx.Process(target=time.sleep, args=(0,))
+    done.start()
+    done.join()
+    leaked = ctx.Process(target=time.sleep, args=(600,))
+    leaked.start()
+    tracker = resource_tracker._resource_tracker._pid
+    print(json.dumps({"tracker": tracker, "leaked": leaked.pid, "ended": end_children(grace_s=60)}))
+"""
+
+
+def test_the_resource_tracker_is_closed_not_reported_or_killed() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", TRACKER_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tracker"] is not None and result["ended"] == [result["leaked"]]
+    assert not psutil.pid_exists(result["tracker"]) and not psutil.pid_exists(result["leaked"])
+    assert "stopping 1 process(es) the job left running" in out.stderr
+    assert "resource tracker" not in out.stderr  # it exited on its own once its pipe closed
