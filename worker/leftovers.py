@@ -18,19 +18,17 @@ def end_children(grace_s: float = 10.0) -> list[int]:
     here is a leak, logged as one. multiprocessing's resource tracker is not a leak: it is closed last."""
     tracker = _resource_tracker_pid()
     children = [c for c in psutil.Process().children(recursive=True) if c.pid != tracker]
-    if not children:
-        _stop_resource_tracker(tracker, grace_s)
-        return []
-    log.warning("stopping %d process(es) the job left running: %s", len(children),
-                ", ".join(f"{c.pid} ({_name(c)})" for c in children))  # fmt: skip
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
-    for child in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    psutil.wait_procs(alive, timeout=5)
+    if children:
+        log.warning("stopping %d process(es) the job left running: %s", len(children),
+                    ", ".join(f"{c.pid} ({_name(c)})" for c in children))  # fmt: skip
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for child in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        psutil.wait_procs(alive, timeout=5)
     _stop_resource_tracker(tracker, grace_s)
     return [c.pid for c in children]
 
@@ -56,8 +54,6 @@ def _stop_resource_tracker(pid: int | None, grace_s: float) -> None:
 
     tracker = resource_tracker._resource_tracker
     with tracker._lock:
-        if tracker._pid != pid or tracker._fd is None:
-            return
         os.close(tracker._fd)
         tracker._fd = tracker._pid = None
     with contextlib.suppress(psutil.NoSuchProcess):
