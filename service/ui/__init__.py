@@ -1,18 +1,20 @@
 """The web dashboard under /ui: server-rendered pages (Jinja2), plotly.js from the plotly wheel, a little
-script for live updates. `install_dashboard(app)` adds it to the API app; `GET /` redirects to it."""
+script for live updates. `dashboard_router()` holds its routes, `install_dashboard(app)` the rest;
+`GET /` redirects to it."""
 
 from __future__ import annotations
 
 import os
 from urllib.parse import quote
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
 from starlette.staticfiles import NotModifiedResponse
 from starlette.types import Scope
 
+from service.api.body_route import BodyRoute
 from service.api.byte_ranges import RangedFileResponse
 from service.api.errors import envelope
 from service.ui import data, pages
@@ -49,19 +51,23 @@ class _StaticFiles(StaticFiles):
         return response
 
 
+def _root() -> RedirectResponse:
+    return RedirectResponse("/ui/", status_code=307)
+
+
+def dashboard_router() -> APIRouter:
+    """The dashboard's routes: `/` and `/ui` redirect to its jobs list; then its pages and their data."""
+    router = APIRouter(include_in_schema=False, route_class=BodyRoute)
+    router.add_api_route("/", _root, methods=["GET"])
+    router.add_api_route("/ui", _root, methods=["GET"])
+    router.include_router(data.router)
+    router.include_router(pages.router)
+    return router
+
+
 def install_dashboard(app: FastAPI) -> None:
-    """Mount the dashboard on `app`."""
-
-    @app.get("/", include_in_schema=False)
-    def root() -> RedirectResponse:
-        return RedirectResponse("/ui/", status_code=307)
-
-    @app.get("/ui", include_in_schema=False)
-    def ui_root() -> RedirectResponse:
-        return RedirectResponse("/ui/", status_code=307)
-
-    app.include_router(data.router)
-    app.include_router(pages.router)
+    """What each app holds of the dashboard beside its routes (`dashboard_router`): the static files, and
+    the answers to a request that is not signed in or fails its CSRF check."""
     app.mount("/ui/static", _StaticFiles(directory=HERE / "static"), name="ui-static")
     app.add_exception_handler(NotSignedIn, _not_signed_in)
     app.add_exception_handler(CsrfError, _csrf_failed)

@@ -46,17 +46,16 @@ def test_every_error_uses_the_envelope(client, auth) -> None:
         assert _is_envelope(response.json()), response.text
 
 
-def test_database_down_is_503_then_recovers(make_settings, auth) -> None:
+def test_database_down_is_503_beside_an_app_whose_database_answers(make_settings, auth) -> None:
+    # The two apps share their route objects (service.app._routes): each must answer from its own state.
     down = make_settings(database_url="postgresql+psycopg://postgres@127.0.0.1:1/nowhere")
-    with TestClient(create_app(down)) as c:
+    with TestClient(create_app(down)) as c, TestClient(create_app(make_settings())) as up:
         for path in ("/v1/jobs", "/readyz"):
             r = c.get(path, headers=auth)
             assert r.status_code == 503 and _is_envelope(r.json())
+            assert up.get(path, headers=auth).status_code == 200
         assert r.json()["error"]["code"] == "database_unavailable"
         assert c.get("/healthz").status_code == 200
-    with TestClient(create_app(make_settings())) as c:
-        assert c.get("/v1/jobs", headers=auth).status_code == 200
-        assert c.get("/readyz").status_code == 200
 
 
 def test_redis_down_readyz_is_503(make_settings) -> None:
