@@ -27,6 +27,7 @@ from peagle_core.hidden_states.cache import (
     TokenDataset,
 )
 from peagle_core.hidden_states.codec import HiddenRecord, bytes_per_token, quantize
+from peagle_core.hidden_states.compile_guard import outside_compiles
 
 __all__ = [
     "BatchLoader",
@@ -72,7 +73,9 @@ class VerifierCompute:
         for row, s in enumerate(seqs):
             ids[row, : s.numel()] = s
             mask[row, : s.numel()] = 1
-        aux, last = self.verifier.hidden_states(ids, attention_mask=mask)
+        # This runs on the loader's thread while the trainer's may be compiling (compile_guard).
+        with outside_compiles():
+            aux, last = self.verifier.hidden_states(ids, attention_mask=mask)
         self.calls += 1
         aux, last = aux.float().cpu(), last.float().cpu()
         return [
