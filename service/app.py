@@ -62,10 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Train P-EAGLE speculative-decoding drafters as a service.",
         lifespan=lifespan,
-        # Routes added on the app after this one (none in this package) get the same edge checks.
-        dependencies=[Depends(check_request_text)],
     )
-    app.router.route_class = BodyRoute
     app.state.settings = settings
     app.state.sessions = session_factory(settings.database_url)
     app.state.redis = redis_from_url(settings.redis_url)
