@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import peagle_core  # noqa: F401  (sets the allocator's huge pages before torch allocates)
 from worker.rendezvous import free_port  # noqa: F401  (the benches' too)
 
 if TYPE_CHECKING:

@@ -17,6 +17,7 @@ from peagle_core.model.attention import AttentionLayout, Backend, CachedLayout, 
 from peagle_core.model.config import PEagleConfig
 from peagle_core.model.eagle3 import unrolled_forward
 from peagle_core.model.layers import MLP, RMSNorm, apply_rotary, repeat_last_row, rotary_embedding
+from peagle_core.model.row_buckets import pad_rows
 from peagle_core.model.speculators import read_checkpoint
 
 
@@ -55,8 +56,9 @@ class PEagleAttention(nn.Module):
         if expand is not None:  # rows with identical inputs were projected once: `expand` rows in all
             q, k, v = (repeat_last_row(t, expand) for t in (q, k, v))
         q, k = apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
-        out = parallel_group_attention(q, k, v, layout, backend)
-        return self.o_proj(out.flatten(-2))
+        out = parallel_group_attention(q, k, v, layout, backend).flatten(-2)
+        # the row count changes every step (COD): o_proj runs on a bucketed count (row_buckets)
+        return self.o_proj(pad_rows(out))[: out.shape[0]]
 
 
 class PEagleDecoderLayer(nn.Module):
@@ -101,7 +103,8 @@ class PEagleDecoderLayer(nn.Module):
             residual = hidden + residual
             attn = self.self_attn(self.input_layernorm(residual), cos, sin, layout, backend)
         residual = attn + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        rows = residual.shape[0]
+        return self.mlp(self.post_attention_layernorm(pad_rows(residual)))[:rows], residual
 
 
 class PEagleDraftModel(nn.Module):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from peagle_core.model.kl_rows_native import native_row_kernels
+from peagle_core.model.row_buckets import ROW_BUCKET, pad_index
 
 log = logging.getLogger(__name__)
 
@@ -210,16 +211,20 @@ class _FusedLinearKL(torch.autograd.Function):
         for c0 in range(0, n, chunk_rows):
             rows, src = order[c0 : c0 + chunk_rows], source[c0 : c0 + chunk_rows]
             uniq, inverse = torch.unique_consecutive(target_index[rows], return_inverse=True)
+            # The teacher's and the last chunk's row counts change every step: their matmuls run on
+            # bucketed counts (row_buckets), the extra rows repeated, then dropped or given zero weight.
             p, neg_entropy, teacher_argmax = _run_kernel(
-                kernels, 0, teacher_hidden[uniq].detach().to(compute_dtype) @ tw_t
+                kernels, 0, (teacher_hidden[pad_index(uniq)].detach().to(compute_dtype) @ tw_t)[: len(uniq)]
             )
-            h, h_t = _run_kernel(kernels, 4, hidden.detach(), src, compute_dtype)
+            c, src_p, inverse_p = len(rows), pad_index(src), pad_index(inverse)
+            weight = F.pad(row_weight[rows], (0, len(src_p) - c))
+            h, h_t = _run_kernel(kernels, 4, hidden.detach(), src_p, compute_dtype)
             kl_c, argmax_c, grad_logits = _run_kernel(
-                kernels, 1, h @ w_t, p, neg_entropy, inverse, row_weight[rows], compute_dtype, tv_weight
+                kernels, 1, h @ w_t, p, neg_entropy, inverse_p, weight, compute_dtype, tv_weight
             )
-            kl[rows] = kl_c
-            correct[rows] = argmax_c == teacher_argmax[inverse]
-            _run_kernel(kernels, 5, grad_hidden, src, (w_t @ grad_logits.T).T)
+            kl[rows] = kl_c[:c]
+            correct[rows] = argmax_c[:c] == teacher_argmax[inverse]
+            _run_kernel(kernels, 5, grad_hidden, src, (w_t @ grad_logits.T).T[:c])
             if grad_weight_t is not None:
                 (grad_weight_t,) = _run_kernel(kernels, 3, grad_weight_t, h_t @ grad_logits)
         # Contiguous like the weight: autograd would otherwise copy a transposed gradient to the weight's
@@ -264,6 +269,8 @@ def fused_kl_loss(
     """
     vocab = lm_head_weight.shape[0]
     chunk_rows = max(16, _CHUNK_LOGIT_BYTES // (4 * vocab))
+    if chunk_rows >= ROW_BUCKET:  # whole chunks need no padding on CPU (row_buckets)
+        chunk_rows -= chunk_rows % ROW_BUCKET
     device_type = hidden.device.type
     compute_dtype = (
         torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32

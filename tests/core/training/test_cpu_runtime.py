@@ -6,6 +6,7 @@ Each case runs in a child process: mallopt changes the whole process's allocator
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -57,3 +58,42 @@ def test_without_the_kept_heap_there_is_nothing_to_trim() -> None:
     r = _run("default")
     assert r["kept"] is False
     assert r["returned"] == 0  # glibc's own trimming is in force; the call leaves it alone
+
+
+# Whether torch's allocator asked the kernel for huge pages for a large buffer: the VmFlags of the mapping
+# holding it carry `hg` after madvise(MADV_HUGEPAGE).
+HUGE_PAGES_CHILD = textwrap.dedent(
+    """
+    import json, os
+    import peagle_core, torch
+    big = torch.empty(8 << 20, dtype=torch.uint8)
+    ptr, flags = big.data_ptr(), []
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif head == "VmFlags:" and inside:
+            flags = line.split()[1:]
+    print(json.dumps({"setting": os.environ["THP_MEM_ALLOC_ENABLE"], "huge": "hg" in flags}))
+    """
+)
+
+
+@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "opted-out"])
+def test_large_tensors_ask_for_huge_pages_unless_opted_out(setting: str | None) -> None:
+    # Importing peagle_core turns them on for its processes (a step's big buffers page-fault 4 KB at a time
+    # otherwise); a user's THP_MEM_ALLOC_ENABLE=0 is kept.
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if setting is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGES_CHILD],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env=env,
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r == {"setting": "1", "huge": True} if setting is None else {"setting": "0", "huge": False}
