@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -99,10 +100,18 @@ class EngineArgs(Protocol):
     gpu_memory_utilization: float | None
 
 
+def drop_cast_notices(record: logging.LogRecord) -> bool:
+    """False for vLLM's warning that a checkpoint tensor is cast to the engine's dtype: it comes once per
+    tensor (120 lines for SmolLM2's fp32 files in a bf16 engine), and the cast is what `dtype` asked for."""
+    return not str(record.msg).startswith("Attempted to load weight %s with dtype")
+
+
 def new_llm(config: EngineArgs, **extra: Any) -> Any:
     """vLLM's `LLM` for `config`'s verifier (seeded; vLLM's own memory share unless one is given), plus
     the caller's `extra` engine arguments."""
     from vllm import LLM
+
+    logging.getLogger("vllm.model_executor.models.utils").addFilter(drop_cast_notices)
 
     # Building an engine runs full garbage collections (after the weights load, and before vLLM freezes its
     # own heap), each a pass over every object the imports made: ~0.45 s apiece on a CPU (measured). Those
