@@ -64,8 +64,11 @@ def test_without_the_kept_heap_there_is_nothing_to_trim() -> None:
 # holding it carry `hg` after madvise(MADV_HUGEPAGE).
 HUGE_PAGES_CHILD = textwrap.dedent(
     """
-    import json, os
+    import json, os, sys
     import peagle_core, torch
+    if sys.argv[1] == "vllm":
+        from peagle_core.vllm_child import enter_child
+        enter_child()
     big = torch.empty(8 << 20, dtype=torch.uint8)
     ptr, flags = big.data_ptr(), []
     for line in open("/proc/self/smaps"):
@@ -80,15 +83,21 @@ HUGE_PAGES_CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "opted-out"])
-def test_large_tensors_ask_for_huge_pages_unless_opted_out(setting: str | None) -> None:
+@pytest.mark.parametrize(
+    ("process", "setting", "huge"),
+    [("training", None, True), ("training", "0", False), ("vllm", None, False)],
+    ids=["default", "opted-out", "vllm-child"],
+)
+def test_large_tensors_ask_for_huge_pages_outside_vllm_unless_opted_out(
+    process: str, setting: str | None, huge: bool
+) -> None:
     # Importing peagle_core turns them on for its processes (a step's big buffers page-fault 4 KB at a time
-    # otherwise); a user's THP_MEM_ALLOC_ENABLE=0 is kept.
+    # otherwise); a user's THP_MEM_ALLOC_ENABLE=0 is kept; a vLLM child turns them off before vLLM loads.
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     if setting is not None:
         env["THP_MEM_ALLOC_ENABLE"] = setting
     out = subprocess.run(
-        [sys.executable, "-c", HUGE_PAGES_CHILD],
+        [sys.executable, "-c", HUGE_PAGES_CHILD, process],
         capture_output=True,
         text=True,
         check=True,
@@ -96,4 +105,4 @@ def test_large_tensors_ask_for_huge_pages_unless_opted_out(setting: str | None) 
         env=env,
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r == {"setting": "1", "huge": True} if setting is None else {"setting": "0", "huge": False}
+    assert r == {"setting": "1" if huge else "0", "huge": huge}
