@@ -17,10 +17,13 @@ from typing import Any, Protocol
 # P-EAGLE parallel drafting needs vLLM's V1 model runner. The engine core runs inside our child rather
 # than in a further process of its own: start-up drops from ~20 s to ~5 s on a CPU, and the child can
 # step the engine itself (the hidden-state connector stores a request one step after it finishes).
-_CHILD_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# Torch's huge pages, which `peagle_core` turns on for training, stay off in vLLM: with them its compiled
-# engine started ~10 s slower and extracted no faster (SmolLM2 bf16, docs/decisions.md).
-_CHILD_ENV["THP_MEM_ALLOC_ENABLE"] = "0"
+_CHILD_ENV = {
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # Torch's huge pages, which `peagle_core` turns on for training, stay off in vLLM: with them its compiled
+    # engine started ~10 s slower and extracted no faster (SmolLM2 bf16, docs/decisions.md).
+    "THP_MEM_ALLOC_ENABLE": "0",
+}
 # Defaults the caller's environment may override: a small CPU KV cache (GiB) and quiet logs.
 _CHILD_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
