@@ -16,7 +16,14 @@ from torch import nn
 from peagle_core.model.attention import AttentionLayout, Backend, CachedLayout, parallel_group_attention
 from peagle_core.model.config import PEagleConfig
 from peagle_core.model.eagle3 import unrolled_forward
-from peagle_core.model.layers import MLP, RMSNorm, apply_rotary, repeat_last_row, rotary_embedding
+from peagle_core.model.layers import (
+    MLP,
+    RMSNorm,
+    TokenEmbedding,
+    apply_rotary,
+    repeat_last_row,
+    rotary_embedding,
+)
 from peagle_core.model.row_buckets import pad_rows
 from peagle_core.model.speculators import read_checkpoint
 
@@ -116,7 +123,7 @@ class PEagleDraftModel(nn.Module):
         super().__init__()
         self.config = config
         h, v, vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
-        self.embed_tokens = nn.Embedding(v, h)
+        self.embed_tokens = TokenEmbedding(v, h)
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.layers = nn.ModuleList(PEagleDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(h, eps=config.rms_norm_eps)

@@ -69,3 +69,44 @@ def test_the_training_hot_path_imports_no_transformers() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out.strip().splitlines()[-1])
     assert loaded["transformers"] == []
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_token_embedding_equals_nn_embedding_forward_and_gradient(compiled: bool) -> None:
+    # Repeated ids (their rows' gradients sum), bf16 autocast (the lookup stays in the weight's dtype), and
+    # in a compiled function, row counts that change from call to call, as COD's do.
+    torch.manual_seed(0)
+    ours = layers.TokenEmbedding(300, 24)
+    theirs = torch.nn.Embedding(300, 24)
+    theirs.load_state_dict(ours.state_dict())
+
+    def loss(module: torch.nn.Module, ids: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (module(ids) * probe).sum()
+
+    ours_loss = torch.compile(loss, dynamic=True) if compiled else loss
+    for n in (7, 50, 129):
+        ids = torch.randint(0, 300, (n,))
+        ids[: n // 2] = ids[0]
+        probe = torch.randn(n, 24)
+        ours.zero_grad(), theirs.zero_grad()
+        got, want = ours_loss(ours, ids, probe), loss(theirs, ids, probe)
+        got.backward(), want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-6, atol=1e-6)
+        assert ours.weight.grad.dtype == torch.float32
+
+
+def test_compiled_token_embedding_gradient_is_the_same_on_every_call() -> None:
+    # Many rows share few ids across two threads: atomic adds would sum them in a varying order.
+    torch.set_num_threads(2)  # the suite's one thread is restored after (tests/core/conftest.py)
+    torch.manual_seed(0)
+    emb = layers.TokenEmbedding(1000, 576)
+    ids, probe = torch.randint(0, 50, (4097,)), torch.randn(4097, 576)
+    loss = torch.compile(lambda i: (emb(i) * probe).sum(), dynamic=True)
+    grads = []
+    for _ in range(6):
+        emb.zero_grad()
+        loss(ids).backward()
+        grads.append(emb.weight.grad.clone())
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
