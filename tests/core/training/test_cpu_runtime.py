@@ -48,7 +48,9 @@ def _run(mode: str) -> dict:
 def test_kept_memory_is_given_back_only_past_the_cap() -> None:
     r = _run("keep")
     assert r["kept"] is True
-    assert r["held"] > 1 << 30  # the fragmenting pattern left over a GiB resident and free
+    # The fragmenting pattern leaves hundreds of MB resident and free: 1.17 GB on an idle EPYC, 0.82 GB in
+    # one CI run there with the other test worker busy (the kernel's count of resident pages varies).
+    assert r["held"] > 512 << 20
     assert r["under_cap"] == 0  # under the cap nothing is trimmed: the pages stay for the next step
     assert r["returned"] > r["held"] // 2
     assert r["after"] < 256 << 20
