@@ -29,6 +29,7 @@ from client.local import KEY_FILE, URL_FILE
 from client.sdk import PeagleClient
 from peagle_core.cli.common import fail
 from peagle_core.io import atomic_write_bytes
+from peagle_core.torch_builds import require_matching_companions
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ def demo(
     """Train a drafter for a toy verifier over HTTP, download and validate it, print the vLLM command."""
     from cli.demo_real import REAL_BUDGETS
 
+    require_matching_companions()
     if size not in DEMO_BUDGETS or (model is not None and size not in REAL_BUDGETS):
         fail(f"--size: choose one of {', '.join(DEMO_BUDGETS)}")
     t0 = time.monotonic()

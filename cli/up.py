@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from peagle_core.cli.common import fail
+from peagle_core.torch_builds import require_matching_companions
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +28,7 @@ def up(
     """Run API + worker + SQLite + embedded Redis + reconciler until Ctrl-C; run again to continue."""
     from cli.embedded import EmbeddedStack, StackError
 
+    require_matching_companions()  # before anything starts: the worker could not train
     stack = EmbeddedStack(data_dir=data_dir, host=host, port=port)
     # Ctrl-C and SIGTERM only ask the supervisor loop to end; the orderly stop happens below.
     signal.signal(signal.SIGINT, stack.request_stop)

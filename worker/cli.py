@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from peagle_core.torch_builds import require_matching_companions
+
 
 def worker(
     queue: Annotated[
@@ -38,6 +40,7 @@ def worker(
     from worker.pool import group_gpus, run_pool, visible_gpus
 
     setup_logging()
+    require_matching_companions()
     gpus = visible_gpus(gpu)
     groups = group_gpus(gpus, gpus_per_worker) if gpus else []
     if gpus and not groups:

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from peagle_core.cli.common import fail
+from peagle_core.torch_builds import require_matching_companions
 
 
 def train_command(
@@ -22,6 +23,7 @@ def train_command(
 ) -> None:
     """Train a P-EAGLE drafter; checkpoints go to OUT/checkpoints, the vLLM export to OUT/export, and the
     reusable stage outputs (regenerated and prepared data, hidden-state cache) under OUT by stage key."""
+    require_matching_companions()
     from tqdm import tqdm
 
     from peagle_core.events import LOG, CallbackReporter, Event
@@ -86,6 +88,7 @@ def eval_command(
 
     With vLLM the drafter is also served by vLLM on the same prompts: its acceptance length comes from
     vLLM's own counters, and its greedy output must equal vLLM's without the drafter."""
+    require_matching_companions()
     from peagle_core.evaluation.acceptance import evaluate
     from peagle_core.figures import KResult
     from peagle_core.hidden_states.verifier import Verifier

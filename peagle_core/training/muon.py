@@ -104,8 +104,8 @@ class Muon(torch.optim.Muon):
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """`muon_groups` stepped by Muon (torch's, Newton-Schulz in bf16 only where bf16 is fast) (matched to AdamW's update RMS, so AdamW's lr and weight decay
-    carry over), `adamw_groups` by fused AdamW with `betas`."""
+    """`muon_groups` stepped by Muon (torch's update scaled to AdamW's RMS, so AdamW's lr and weight decay
+    carry over; Newton-Schulz in bf16 only where bf16 is fast), `adamw_groups` by fused AdamW with `betas`."""
 
     def __init__(
         self,
