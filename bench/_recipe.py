@@ -21,6 +21,8 @@ RECIPE_FLAGS: dict[str, tuple[str, type]] = {
     "cod_min": ("model.down_sample_ratio_min", float),
     "freeze_lm_head": ("model.freeze_lm_head", bool),
     "lr": ("training.lr", float),
+    "warmup_ratio": ("training.warmup_ratio", float),
+    "min_lr_ratio": ("training.min_lr_ratio", float),
     "epochs": ("training.epochs", int),
     "steps": ("training.max_steps", int),
     "total_seq_len": ("training.total_seq_len", int),
