@@ -92,7 +92,9 @@ def test_token_embedding_equals_nn_embedding_forward_and_gradient(compiled: bool
         ours.zero_grad(), theirs.zero_grad()
         got, want = ours_loss(ours, ids, probe), loss(theirs, ids, probe)
         got.backward(), want.backward()
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        # The loss is a sum of n x 24 products: Inductor's reduction order differs from eager's (on AVX2,
+        # 4e-5 on 16.5 was seen); the gradients below carry no reduction and stay tight.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-6, atol=1e-6)
         assert ours.weight.grad.dtype == torch.float32
 
