@@ -96,10 +96,15 @@ def _cell(column: str, value: Any) -> str:
 
 
 def format_event(event: dict[str, Any]) -> str:
-    """One log line: time, level, type and message."""
+    """One log line: time, level, type and message, and the count of a counted event (`data.done`/`total`)."""
     when = str(event.get("created_at", ""))[:19].replace("T", " ")
     level = str(event.get("level", "info")).upper()
-    return f"{when} {level:<7} {event.get('type', ''):<8} {event.get('message', '')}"
+    line = f"{when} {level:<7} {event.get('type', ''):<8} {event.get('message', '')}"
+    data = event.get("data") or {}
+    done, total, unit = data.get("done"), data.get("total"), data.get("unit")
+    if isinstance(done, int) and isinstance(total, int) and total > 0:
+        line += f" ({done:,}/{total:,}{' ' + unit[:32] if isinstance(unit, str) and unit else ''})"
+    return line
 
 
 # -- jobs ----------------------------------------------------------------------------------------

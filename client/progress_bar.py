@@ -68,6 +68,7 @@ class _Doing:
     total: int | None
     eta_s: float | None
     seen_at: float  # the bar's clock when it arrived
+    unit: str = ""  # what it counts (`data.unit`, e.g. the hidden-state build's tokens)
 
 
 class JobProgressBar:
@@ -123,8 +124,9 @@ class JobProgressBar:
         done, total = data.get("done"), data.get("total")
         if not (isinstance(done, int) and isinstance(total, int) and total > 0):
             done = total = None
+        unit = data.get("unit") if isinstance(data.get("unit"), str) else ""
         self._doing = _Doing(str(event.get("message") or ""), done, total, self._eta(event, done, total),
-                             self._clock())  # fmt: skip
+                             self._clock(), unit[:32])  # fmt: skip
 
     def _eta(self, event: dict[str, Any], done: int | None, total: int | None) -> float | None:
         """The time left at the pace of this series of counted events (their server timestamps, so a replayed
@@ -174,7 +176,11 @@ class JobProgressBar:
         # Counted down from when the count arrived, so the ETA moves between two events.
         eta = None if doing.eta_s is None else max(0.0, doing.eta_s - (self._clock() - doing.seen_at))
         return Snapshot(
-            f"{title}: {doing.label}" if doing.label else title, doing.done, doing.total, eta_s=eta
+            f"{title}: {doing.label}" if doing.label else title,
+            doing.done,
+            doing.total,
+            doing.unit,
+            eta_s=eta,
         )
 
     def __rich__(self) -> RenderableType:

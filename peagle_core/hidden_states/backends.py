@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from peagle_core.hidden_states.build import ComputeBackend, HiddenStateBackend, StopCheck, stop_if_asked
+from peagle_core.hidden_states.build import (
+    ComputeBackend,
+    Computed,
+    HiddenStateBackend,
+    StopCheck,
+    stop_if_asked,
+)
 from peagle_core.hidden_states.cache import (
     CACHE_MANIFEST,
     DEFAULT_SHARD_BYTES,
@@ -100,17 +106,21 @@ class VllmBackend:
         self.on_group = on_group
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool, should_stop: StopCheck = None) -> int:  # fmt: skip
+             shard_bytes: int, progress: bool, should_stop: StopCheck = None,
+             on_computed: Computed = None) -> int:  # fmt: skip
         before = set(cache.shards)
         stop_if_asked(should_stop, "hidden-state build stopped before vLLM started")
         self.engine.start()
         hidden = int(self.engine.hidden_size or 0)
         token_bytes = bytes_per_token(cache.dtype, len(cache.fingerprint.layer_ids) * hidden, hidden)
         groups = plan_groups(dataset, todo, token_bytes, shard_bytes)
+        committed = iter(groups)  # the engine commits the groups in order
 
         def on_group(n: int) -> None:  # a group's shard is committed: the place to stop
             if self.on_group is not None:
                 self.on_group(n)
+            if on_computed is not None:
+                on_computed(next(committed))
             stop_if_asked(should_stop, "hidden-state build stopped after a committed group")
 
         self.engine.fill_groups(

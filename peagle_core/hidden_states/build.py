@@ -35,6 +35,7 @@ class BuildReport:
 
 
 StopCheck = Callable[[], bool] | None
+Computed = Callable[[Sequence[int]], None] | None  # hears the samples each batch or group just computed
 
 
 def stop_if_asked(should_stop: StopCheck, what: str) -> None:
@@ -47,12 +48,14 @@ class HiddenStateBackend(Protocol):
     """Who computes a cache's hidden states: `name` is what its manifest records (a job's
     `hidden_states.engine`: transformers or vllm); `fill` computes the samples `todo` into `cache`, committing
     a shard per about `shard_bytes`, and returns how many shards it wrote. `should_stop` is asked between
-    batches: StopRequested, with the shards committed so far kept."""
+    batches: StopRequested, with the shards committed so far kept; `on_computed` hears each batch's samples
+    once computed."""
 
     name: str
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool, should_stop: StopCheck = None) -> int: ...  # fmt: skip
+             shard_bytes: int, progress: bool, should_stop: StopCheck = None,
+             on_computed: Computed = None) -> int: ...  # fmt: skip
 
 
 @dataclass
@@ -64,7 +67,8 @@ class ComputeBackend:
     name: str = "transformers"
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool, should_stop: StopCheck = None) -> int:  # fmt: skip
+             shard_bytes: int, progress: bool, should_stop: StopCheck = None,
+             on_computed: Computed = None) -> int:  # fmt: skip
         from tqdm import tqdm
 
         dtype, shards = cache.dtype, 0
@@ -88,6 +92,8 @@ class ComputeBackend:
                     shards += cache.write_shard(buffer) is not None
                     buffer, buffered = [], 0
                 bar.update(len(group))
+                if on_computed is not None:
+                    on_computed(group)
             if buffer:
                 shards += cache.write_shard(buffer) is not None
         return shards
@@ -105,6 +111,7 @@ def build_cache(
     dataset_dir: str | None = None,
     progress: bool = False,
     should_stop: StopCheck = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> BuildReport:
     """Fill the cache with every sample of `dataset`, computing missing ones with `backend`
     (`ComputeBackend(compute)` in this process, `peagle_core.hidden_states.backends.VllmBackend` through
@@ -113,7 +120,8 @@ def build_cache(
     Resumable: cached samples are skipped and a shard is committed (file renamed, then manifest
     replaced) once about `shard_bytes` are computed, so an interrupted build loses at most one shard's
     work and a second run of a finished build computes nothing. `should_stop` is asked between batches
-    (StopRequested, the committed shards kept).
+    (StopRequested, the committed shards kept). `on_progress(done, total)` hears the dataset's tokens with
+    hidden states so far (those already cached included) after each batch or group, and once at the start.
     """
     if batch_size < 1:
         raise CacheError("batch_size must be >= 1", param="batch_size")
@@ -126,9 +134,20 @@ def build_cache(
         backend=backend.name,
     )
     todo = [i for i in range(len(dataset)) if i not in cache]
+    on_computed = None
+    if on_progress is not None:
+        tokens = [int(dataset[i][0].numel()) for i in range(len(dataset))]
+        total, done = sum(tokens), sum(tokens) - sum(tokens[i] for i in todo)
+        on_progress(done, total)
+
+        def on_computed(indices: Sequence[int]) -> None:
+            nonlocal done
+            done += sum(tokens[i] for i in indices)
+            on_progress(done, total)
+
     shards = backend.fill(
         cache, dataset, todo, batch_size=batch_size, shard_bytes=shard_bytes, progress=progress,
-        should_stop=should_stop,
+        should_stop=should_stop, on_computed=on_computed,
     )  # fmt: skip
     return BuildReport(len(todo), len(dataset) - len(todo), shards, len(cache), cache.total_bytes)
 

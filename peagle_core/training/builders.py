@@ -50,11 +50,12 @@ def load_verifier(spec: JobSpec, device: torch.device) -> Verifier:
 
 def build_source(
     spec: JobSpec, dataset: PreparedDataset, verifier: Verifier, cache_root: Path, info: dist_utils.DistInfo,
-    should_stop: Callable[[], bool] | None = None,
+    should_stop: Callable[[], bool] | None = None, on_progress: Callable[[int, int], None] | None = None,
 ) -> HiddenStateSource:  # fmt: skip
     """The hidden-state source of `spec.hidden_states.mode`, computing with `spec.hidden_states.engine`; an
     offline job without a complete cache builds it first (StopRequested when `should_stop` ends the build;
-    asked only in a single-process run, whose other ranks cannot be left waiting)."""
+    asked only in a single-process run, whose other ranks cannot be left waiting; `on_progress(done, total)`
+    hears its tokens)."""
     fingerprint = CacheFingerprint.of(verifier, dataset)
     pad = verifier.tokenizer.pad_token_id or 0
     hs = spec.hidden_states
@@ -71,7 +72,8 @@ def build_source(
                 verifier_factory=lambda: verifier, vllm_factory=vllm, pad_token_id=pad,
             ) as backend:  # fmt: skip
                 stop = should_stop if info.world_size == 1 else None
-                build_cache(cache_root, dataset, backend, fingerprint, dtype=hs.dtype, should_stop=stop)
+                build_cache(cache_root, dataset, backend, fingerprint, dtype=hs.dtype, should_stop=stop,
+                            on_progress=on_progress)  # fmt: skip
     dist_utils.barrier(info)
     return make_source(
         hs.mode,

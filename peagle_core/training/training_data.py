@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from peagle_core.data import PreparedDataset
 from peagle_core.errors import DataError
+from peagle_core.events import LOG
 from peagle_core.hidden_states.loader import BatchLoader, HiddenStateSource
 from peagle_core.hidden_states.verifier import Verifier
+from peagle_core.keys import HIDDEN_STATES
 from peagle_core.spec import JobSpec
 from peagle_core.training.builders import build_source, count_steps, epoch_bins
 from peagle_core.training.hooks import Hooks
@@ -54,4 +57,26 @@ def open_source(
 ) -> HiddenStateSource:
     """The hidden-state source of `spec.hidden_states.mode`, announced (an offline cache is built first)."""
     hooks.event("hidden_states", f"hidden states: {spec.hidden_states.mode}", cache_dir=str(cache_root))
-    return build_source(spec, dataset, verifier, cache_root, hooks.info, should_stop=hooks.should_stop)
+    return build_source(
+        spec, dataset, verifier, cache_root, hooks.info, should_stop=hooks.should_stop,
+        on_progress=build_progress(hooks),
+    )  # fmt: skip
+
+
+BUILD_PROGRESS_EVENTS = 20  # about this many progress events per cache build, at most
+
+
+def build_progress(hooks: Hooks) -> Callable[[int, int], None]:
+    """A cache build's progress as counted log events (the job's progress bar shows their count and ETA):
+    the start, then after every 1/BUILD_PROGRESS_EVENTS of its tokens, and the end."""
+    last: int | None = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        if last is not None and done < total and done - last < total / BUILD_PROGRESS_EVENTS:
+            return
+        last = done
+        hooks.event(LOG, "building the hidden-state cache", kind=HIDDEN_STATES, done=done, total=total,
+                    unit="tokens")  # fmt: skip
+
+    return progress

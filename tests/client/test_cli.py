@@ -325,6 +325,13 @@ def test_progress_bar_follows_a_job_through_the_api(
     # One stage per poll of the bar, so that it sees each of them.
     script = [
         lambda: reporter.on_event(Event("prepare", "preparing data")),
+        lambda: reporter.on_event(Event("hidden_states", "hidden states: offline")),
+        lambda: reporter.on_event(
+            Event.log("hidden_states", "building the cache", done=0, total=4000, unit="tokens")
+        ),
+        lambda: reporter.on_event(
+            Event.log("hidden_states", "building the cache", done=1000, total=4000, unit="tokens")
+        ),
         lambda: reporter.on_event(Event("train", "training", {"total_steps": 8})),
         lambda: reporter.on_metrics(step),
         lambda: reporter.on_event(Event("export", "exporting the drafter")),
@@ -345,6 +352,13 @@ def test_progress_bar_follows_a_job_through_the_api(
     assert job["status"] == "succeeded" and not script
     lines = plain.file.getvalue().splitlines()  # type: ignore[attr-defined]
     assert any(line.endswith("] prepare: preparing data") for line in lines), lines
+    # The cache build's count, in its unit, and an ETA from its pace.
+    assert any(line.endswith("] hidden_states: building the cache  0/4000 tokens (0%)") for line in lines), (
+        lines
+    )
+    assert any(
+        "] hidden_states: building the cache  1000/4000 tokens (25%) | eta " in line for line in lines
+    ), lines
     assert any(line.endswith("] train  0/8 steps (0%)") for line in lines), (
         lines
     )  # announced, not yet stepped
@@ -359,7 +373,8 @@ def test_progress_bar_follows_a_job_through_the_api(
 
     code, out, err = peagle("jobs", "logs", job_id, "--follow")
     assert code == 0, err
-    assert "timing drafter K=2 round 2/3" in out  # the event itself
+    assert "timing drafter K=2 round 2/3 (1/12)" in out  # the event itself, with its count
+    assert "building the cache (1,000/4,000 tokens)" in out
     assert "] succeeded  3/8 steps (38%) | loss 2.5000" in out  # the bar's last line
     assert out.rstrip().endswith(f"{job_id}: succeeded")
 

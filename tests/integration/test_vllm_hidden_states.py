@@ -80,8 +80,23 @@ def hf_cache(tmp_path_factory, ds, toy_verifier, fp) -> Path:
 @pytest.fixture(scope="module")
 def vllm_cache(tmp_path_factory, ds, engine, fp) -> Path:
     out = tmp_path_factory.mktemp("hs") / "vllm"
-    report = build_cache(out, ds, VllmBackend(engine), fp, dtype="fp32", shard_bytes=SHARD_BYTES)
+    progress: list[tuple[int, int]] = []
+    report = build_cache(
+        out,
+        ds,
+        VllmBackend(engine),
+        fp,
+        dtype="fp32",
+        shard_bytes=SHARD_BYTES,
+        on_progress=lambda *a: progress.append(a),
+    )
     assert report.computed == len(ds) and report.shards_written >= 3
+    # The start, then the tokens done after each committed group, in order, up to the whole dataset.
+    total = sum(int(ds[i][0].numel()) for i in range(len(ds)))
+    assert progress[0] == (0, total) and progress[-1] == (total, total)
+    assert len(progress) == report.shards_written + 1 and [d for d, _ in progress] == sorted(
+        {d for d, _ in progress}
+    )
     return out
 
 

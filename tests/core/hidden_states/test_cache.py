@@ -213,6 +213,42 @@ def test_build_interrupted_between_shards_resumes_to_identical_cache(tmp_path: P
     _assert_identical(tmp_path / "oneshot", tmp_path / "resumed")
 
 
+def test_build_progress_counts_tokens_from_what_is_cached_to_the_total(tmp_path: Path) -> None:
+    ds = SyntheticTokens(30)
+    total = sum(int(t.numel()) for t in ds.ids)
+    compute = synthetic_compute(ds)
+    kw = {"batch_size": 4, "shard_bytes": 6_000}
+
+    def stops_after_two_batches(idx: list[int]) -> list[HiddenRecord]:
+        if stops_after_two_batches.calls == 2:  # type: ignore[attr-defined]
+            raise RuntimeError("injected failure")
+        stops_after_two_batches.calls += 1  # type: ignore[attr-defined]
+        return compute(idx)
+
+    stops_after_two_batches.calls = 0  # type: ignore[attr-defined]
+    first: list[tuple[int, int]] = []
+    with pytest.raises(RuntimeError, match="injected"):
+        build_cache(
+            tmp_path / "c",
+            ds,
+            ComputeBackend(stops_after_two_batches),
+            FP,
+            on_progress=lambda *a: first.append(a),
+            **kw,
+        )
+    assert first[0] == (0, total) and len(first) == 3  # the start, then one per computed batch
+    assert first[-1][0] == sum(int(t.numel()) for t in ds.ids[:8])
+
+    cached = sum(int(ds.ids[i].numel()) for i in HiddenStateCache.open(tmp_path / "c", FP).indices())
+    resumed: list[tuple[int, int]] = []
+    build_cache(
+        tmp_path / "c", ds, ComputeBackend(compute), FP, on_progress=lambda *a: resumed.append(a), **kw
+    )
+    assert resumed[0] == (cached, total)  # a resumed build starts from its cached tokens
+    dones = [d for d, _ in resumed]
+    assert dones == sorted(dones) and resumed[-1] == (total, total)
+
+
 _CHILD = textwrap.dedent(
     """
     import sys, threading

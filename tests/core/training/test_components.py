@@ -4,6 +4,7 @@ of issue 43 (no function in peagle_core/training over 60 lines, loop.py at most 
 from __future__ import annotations
 
 import ast
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -60,6 +61,24 @@ def test_nothing_to_restore_is_none_and_silent(tmp_path: Path) -> None:
     events: list[Event] = []
     assert _checkpointer(tmp_path / "none", events).restore() is None
     assert events == []
+
+
+def test_a_cache_builds_progress_is_about_twenty_counted_log_events_ending_at_the_total() -> None:
+    from peagle_core.events import LOG
+    from peagle_core.training.training_data import BUILD_PROGRESS_EVENTS, build_progress
+
+    events: list[Event] = []
+    progress = build_progress(Hooks(DistInfo(), CallbackReporter(events=events.append)))
+    total = 1_000_000
+    for done in range(0, total, 997):  # a build that reports every 997 tokens
+        progress(done, total)
+    progress(total, total)
+    assert {e.kind for e in events} == {LOG} and {e.data["kind"] for e in events} == {"hidden_states"}
+    counts = [e.data["done"] for e in events]
+    assert counts[0] == 0 and counts[-1] == total and counts == sorted(counts)
+    assert BUILD_PROGRESS_EVENTS <= len(counts) <= BUILD_PROGRESS_EVENTS + 2
+    assert all(b - a >= total / BUILD_PROGRESS_EVENTS for a, b in pairwise(counts[:-1]))
+    assert all(e.data["total"] == total and e.data["unit"] == "tokens" for e in events)
 
 
 def test_the_training_package_keeps_issue_43s_layout_targets() -> None:
