@@ -213,7 +213,7 @@ def train(
     """The recipe (as `method`, for `steps` steps where given) trained through the job's pipeline: its
     exported drafter, training seconds (first to last optimizer step, scaled by steps / (steps - 1)) and
     steps. The speed-up is timed after, on the measured drafter (`time_serving`), so the job does not."""
-    from peagle_core.events import CallbackReporter
+    from peagle_core.cli.progress import RunProgress
     from peagle_core.pipeline.stages import Callbacks, LocalStore, Pipeline
     from peagle_core.spec import parse_spec
 
@@ -236,10 +236,11 @@ def train(
             times.append((time.monotonic(), step))
 
     t0 = time.monotonic()
-    callbacks = Callbacks(CallbackReporter(metrics=on_metrics))
     run = args.work / "-".join(x for x in ("run", method if method != "peagle" else "", tag) if x)
     store = LocalStore(args.store if args.store is not None else args.work / "store")
-    result = Pipeline.of(spec, run, store=store, callbacks=callbacks).run(resume=True)
+    with RunProgress(metrics=on_metrics) as progress:  # on stderr, beside the JSON lines on stdout
+        callbacks = Callbacks(progress.reporter())
+        result = Pipeline.of(spec, run, store=store, callbacks=callbacks).run(resume=True)
     seconds = (times[-1][0] - times[0][0]) * len(times) / max(len(times) - 1, 1) if len(times) > 1 else 0.0
     emit(bench="real_model", stage="train", method=method, tag=tag, seconds=round(time.monotonic() - t0, 1),
          train_seconds=round(seconds, 1), status=result.status, step=result.step,

@@ -53,8 +53,9 @@ def main() -> None:
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
+    from peagle_core.cli.progress import RunProgress
     from peagle_core.figures import Acceptance, k_key
-    from peagle_core.pipeline.stages import LocalStore, Pipeline
+    from peagle_core.pipeline.stages import Callbacks, LocalStore, Pipeline
     from peagle_core.recipes.material import verifier_dir
     from peagle_core.recipes.preset import load_recipe
     from peagle_core.serving.report import EvaluationReport
@@ -76,7 +77,11 @@ def main() -> None:
             "export.vllm_check": False,
         }))  # fmt: skip
         t0 = time.monotonic()
-        result = Pipeline.of(spec, args.work / f"run-{name}", store=store).run(resume=False)
+        with RunProgress() as progress:  # on stderr, beside the JSON lines on stdout
+            callbacks = Callbacks(reporter=progress.reporter())
+            result = Pipeline.of(spec, args.work / f"run-{name}", store=store, callbacks=callbacks).run(
+                resume=False
+            )
         m = result.metrics
         report = result.evaluation or EvaluationReport()
         at_k = report.ours(depths) or Acceptance()

@@ -95,7 +95,7 @@ def read_points(path: Path) -> list[dict[str, Any]]:
 
 def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
     """One budget's drafter trained through the job's pipeline and scored by vLLM; its JSON point."""
-    from peagle_core.events import CallbackReporter
+    from peagle_core.cli.progress import RunProgress
     from peagle_core.figures import Acceptance
     from peagle_core.pipeline.stages import Callbacks, LocalStore, Pipeline
     from peagle_core.recipes.material import verifier_dir
@@ -128,9 +128,11 @@ def train_and_score(args: argparse.Namespace, budget: float) -> dict[str, Any]:
         if not steps or step > steps[-1][1]:  # evaluation re-reports its step later
             steps.append((time.monotonic(), step))
 
-    reporter = CallbackReporter(metrics=on_metrics)
-    pipeline = Pipeline.of(spec, args.work / f"run-{int(budget)}", store=store, callbacks=Callbacks(reporter))
-    result = pipeline.run(resume=True)
+    with RunProgress(metrics=on_metrics) as progress:  # on stderr, beside the JSON lines on stdout
+        callbacks = Callbacks(progress.reporter())
+        result = Pipeline.of(spec, args.work / f"run-{int(budget)}", store=store, callbacks=callbacks).run(
+            resume=True
+        )
     steps = [s for s in steps if s[1] > 0]
     report = result.evaluation or EvaluationReport()
     by_k = {k: (r.vllm.acceptance_length if r.vllm else None) for k, r in report.results.items()}

@@ -24,39 +24,15 @@ def train_command(
     """Train a P-EAGLE drafter; checkpoints go to OUT/checkpoints, the vLLM export to OUT/export, and the
     reusable stage outputs (regenerated and prepared data, hidden-state cache) under OUT by stage key."""
     require_matching_companions()
-    from tqdm import tqdm
-
-    from peagle_core.events import LOG, CallbackReporter, Event
+    from peagle_core.cli.progress import RunProgress
     from peagle_core.pipeline.stages import Callbacks, run_pipeline
     from peagle_core.spec import load_spec
 
     spec = load_spec(spec_file)
     out_dir = out or Path("runs") / (spec.name or spec_file.stem)
-    bar: Any = None
-
-    def on_metrics(m: dict[str, Any]) -> None:
-        nonlocal bar
-        if "total_steps" not in m:  # an evaluation result
-            for key, value in m.items():
-                if key.startswith("eval/"):
-                    tqdm.write(f"step {m['step']}: {key} = {value:.3f}")
-            return
-        if bar is None:
-            bar = tqdm(total=m["total_steps"], initial=m["step"] - 1, unit="step", dynamic_ncols=True)
-        bar.update(m["step"] - bar.n)
-        bar.set_postfix(loss=f"{m['loss']:.4f}", acc0=f"{m.get('acc_0', 0):.3f}", lr=f"{m['lr']:.2e}",
-                        tok_s=f"{m['tokens_per_s']:.0f}")  # fmt: skip
-
-    def on_event(event: Event) -> None:
-        label = event.data.get("kind", event.kind) if event.kind == LOG else event.kind
-        (tqdm.write if bar is not None else typer.echo)(f"[{label}] {event.message}")
-
-    try:
-        callbacks = Callbacks(reporter=CallbackReporter(events=on_event, metrics=on_metrics))
+    with RunProgress() as progress:  # on stderr: stdout is the result's one JSON line
+        callbacks = Callbacks(reporter=progress.reporter())
         result = run_pipeline(spec, out_dir, callbacks=callbacks, resume=not no_resume)
-    finally:
-        if bar is not None:
-            bar.close()
     typer.echo(json.dumps({"status": result.status, "step": result.step,
                            "export_dir": str(result.export_dir) if result.export_dir else None,
                            "metrics": result.metrics,
