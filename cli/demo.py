@@ -115,7 +115,10 @@ def demo(
     port: Annotated[
         int | None, typer.Option(help="Port for the server it starts (default: a free one).")
     ] = None,
-    timeout_s: Annotated[float, typer.Option(help="Give up waiting for the job after this long.")] = 3600,
+    timeout_s: Annotated[
+        float | None,
+        typer.Option(help="Give up waiting for the job after this many seconds (default: until it ends)."),
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option(
@@ -138,11 +141,23 @@ def demo(
 
     verifier_path, data_path, make_spec = _inputs(model, size, work)
 
-    with _server(url, data_dir, port) as base_url:
+    with _server(url, data_dir, port) as (base_url, started):
+        if model is not None and url is None:  # the job trains on this machine
+            from cli.demo_real import slow_cpu_notice
+
+            if notice := slow_cpu_notice(size):
+                typer.echo(notice, err=True)
         if key is None and (data_dir / KEY_FILE).is_file():
             key = (data_dir / KEY_FILE).read_text().strip()
+        # Past the timeout the server this demo started is stopped with it, which hands the job back.
+        left = (
+            f"stopping the `peagle up` this demo started hands it back to the queue; `peagle up --data-dir "
+            f"{data_dir}` resumes it from its last checkpoint"
+            if started
+            else "it keeps running on the server"
+        )
         with connect(base_url, key) as client:
-            ckpt, job, out = _run_job(client, base_url, data_path, make_spec, work, timeout_s)
+            ckpt, job, out = _run_job(client, base_url, data_path, make_spec, work, timeout_s, left)
 
     typer.echo("[5/5] validating the checkpoint…", err=True)
     _report(out, verifier_path, ckpt, job, time.monotonic() - t0)
@@ -180,7 +195,8 @@ def _run_job(
     data_path: Path,
     make_spec: Callable[[str], dict[str, Any]],
     work: Path,
-    timeout_s: float,
+    timeout_s: float | None,
+    left: str,
 ) -> tuple[dict[str, Any], dict[str, Any], Path]:
     """Upload, submit, follow, download: returns (checkpoint, job, local checkpoint dir)."""
     typer.echo(f"[2/5] uploading {data_path.name} to {base_url}…", err=True)
@@ -190,7 +206,7 @@ def _run_job(
     atomic_write_bytes(spec_path, yaml.safe_dump(spec, sort_keys=False).encode())
     job = client.create_job(spec)
     typer.echo(f"[3/5] job {job['id']} (spec: {spec_path})", err=True)
-    job = _follow_with_progress(client, job["id"], timeout_s)
+    job = _follow_with_progress(client, job["id"], timeout_s, left=left)
     if job["status"] != "succeeded":
         error = job.get("error") or {}
         fail(
@@ -274,15 +290,21 @@ def _report_speedup(ckpt: dict[str, Any]) -> None:
         )
 
 
-def _follow_with_progress(client: PeagleClient, job_id: str, timeout_s: float) -> dict[str, Any]:
+def _follow_with_progress(
+    client: PeagleClient,
+    job_id: str,
+    timeout_s: float | None,
+    *,
+    left: str = "it keeps running on the server",
+) -> dict[str, Any]:
     """Follow the job under its live progress bar, printing status, stage and warning events, until it ends
-    (or `timeout_s` passes)."""
+    (or `timeout_s` passes, or Ctrl-C: then one error line, ending with `left`, what becomes of the job)."""
     from client.progress_bar import JobProgressBar
 
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
     def in_time(_job: dict[str, Any]) -> None:
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError
 
     def shown(event: dict[str, Any]) -> str | None:
@@ -294,19 +316,22 @@ def _follow_with_progress(client: PeagleClient, job_id: str, timeout_s: float) -
         with JobProgressBar() as bar:
             return bar.follow(client, job_id, show=shown, on_job=in_time)
     except TimeoutError:
-        fail(f"job {job_id} did not finish within {timeout_s:.0f}s; it keeps running on the server")
+        fail(f"job {job_id} did not finish within {timeout_s:.0f}s; {left}")
+    except KeyboardInterrupt:
+        fail(f"stopped following job {job_id}; {left}", 130)
 
 
 @contextlib.contextmanager
-def _server(url: str | None, data_dir: Path, port: int | None) -> Iterator[str]:
-    """The given URL, or a `peagle up` already running on `data_dir`, or a fresh one (stopped after)."""
+def _server(url: str | None, data_dir: Path, port: int | None) -> Iterator[tuple[str, bool]]:
+    """(base URL, whether this demo started it): the given URL, or a `peagle up` already running on
+    `data_dir`, or a fresh one (stopped after)."""
     if url is not None:
-        yield url
+        yield url, False
         return
     running = _running_url(data_dir)
     if running is not None:
         typer.echo(f"using the `peagle up` already running at {running}", err=True)
-        yield running
+        yield running, False
         return
     port = port or _free_port()
     log = data_dir / "logs" / "up.log"
@@ -322,7 +347,7 @@ def _server(url: str | None, data_dir: Path, port: int | None) -> Iterator[str]:
     try:
         base_url = f"http://127.0.0.1:{port}"
         _wait_for(base_url, data_dir, proc, log)
-        yield base_url
+        yield base_url, True
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)

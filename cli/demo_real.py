@@ -51,6 +51,41 @@ REAL_BUDGETS = {
 }
 
 
+# fp32 rates of this recipe on a 2-core AVX2-only EPYC (Zen 3), 2026-12-07, in bench/recipe_sweep.py on 0.6M
+# ShareGPT tokens: vLLM's hidden states at seq_len 1024 (398 tokens/s over 177k tokens) and the K=2 step
+# (100 steps of 4,096 tokens in under 7.3 min, setup included; 1,097 tokens/s at the last step).
+AVX2_HIDDEN_STATES_TOKENS_S = 400.0
+AVX2_TRAIN_TOKENS_S = 950.0
+
+
+def slow_cpu_notice(
+    size: str, *, flags: frozenset[str] | None = None, cuda: bool | None = None
+) -> str | None:
+    """What to expect when the job trains on this machine's CPU and it has no bf16 matrix instructions
+    (`flags`, `cuda`: this machine's unless given): the demo's budget timed at the fp32 rates measured on
+    such a CPU. None on a GPU or a fast-bf16 CPU, where the README's times hold."""
+    from peagle_core.model.precision import FAST_BF16_FLAGS, cpu_flags
+
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    flags = cpu_flags() if flags is None else flags
+    if cuda or any(f in flags for f in FAST_BF16_FLAGS):
+        return None
+    tokens = REAL_BUDGETS[size].train_tokens
+    minutes = (tokens / AVX2_HIDDEN_STATES_TOKENS_S + tokens / AVX2_TRAIN_TOKENS_S) / 60
+    if minutes < 1:  # a smoke-test budget
+        return None
+    return (
+        "note: this CPU has no bf16 matrix instructions (AMX or AVX512-BF16), so the recipe runs in fp32 "
+        f"(`precision: auto`). Its hidden states and training of {tokens / 1e6:g}M tokens alone take about "
+        f"{minutes:.0f} min at the rates measured on a 2-core AVX2 CPU ({AVX2_HIDDEN_STATES_TOKENS_S:.0f} and "
+        f"{AVX2_TRAIN_TOKENS_S:.0f} tokens/s), against ~9 min on a 2-core AMX one; the progress bar's ETA is "
+        "this machine's, and `--size test` runs the same path in minutes."
+    )
+
+
 def real_inputs(model: str, size: str, work: Path) -> tuple[Path, Path, list[dict[str, str]]]:
     """(verifier dir, training conversations JSONL, evaluation prompts), from the catalogue's wheels."""
     from peagle_core.recipes.material import training_data, verifier_dir

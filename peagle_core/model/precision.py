@@ -17,7 +17,7 @@ Precision = Literal["fp32", "bf16"]
 
 # CPU flags of instructions that make a bf16 matmul faster than fp32 (measured on this project's
 # machines: AMX-BF16 5.7x, AVX512-BF16 without AMX 2.4x); without them oneDNN emulates bf16, slower.
-_FAST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+FAST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @cache
@@ -38,7 +38,7 @@ def has_fast_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     if device.type == "cpu":
-        return any(flag in cpu_flags() for flag in _FAST_BF16_FLAGS)
+        return any(flag in cpu_flags() for flag in FAST_BF16_FLAGS)
     return False
 
 

@@ -1,6 +1,6 @@
 """`peagle demo` follows its job under the shared live progress bar (client/progress_bar.py): with no terminal it
-prints the job's stage and status events and the bar's plain lines; past its timeout it stops with one error
-line, the job left running."""
+prints the job's stage and status events and the bar's plain lines; it waits as long as the job runs unless
+given a timeout, and past the timeout or on Ctrl-C it stops with one error line saying what becomes of the job."""
 
 from __future__ import annotations
 
@@ -71,3 +71,44 @@ def test_the_demo_gives_up_after_its_timeout(running_job, capsys: pytest.Capture
     err = capsys.readouterr().err
     assert err.strip() == f"error: job {job_id} did not finish within 0s; it keeps running on the server"
     assert client.get_job(job_id)["status"] == "running"
+
+
+def test_a_demo_that_started_its_server_says_the_job_is_handed_back(
+    running_job, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client, job_id, _ = running_job
+    with pytest.raises(typer.Exit):
+        _follow_with_progress(client, job_id, timeout_s=0, left="stopping the server hands it back")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"job {job_id} did not finish within 0s; stopping the server hands it back")
+    )
+
+
+def test_without_a_timeout_the_demo_waits_for_the_end(running_job) -> None:
+    from service.crud import jobstate
+
+    client, job_id, reporter = running_job
+    with reporter.progress.ctx.sessions() as session:
+        assert jobstate.transition(session, job_id, "succeeded", expect=("running",), fence=1)
+    assert _follow_with_progress(client, job_id, None)["status"] == "succeeded"
+
+
+def test_ctrl_c_while_following_says_what_becomes_of_the_job(
+    running_job, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from client.progress_bar import JobProgressBar
+
+    def interrupted(*_args: Any, **_kw: Any) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    client, job_id, _ = running_job
+    monkeypatch.setattr(JobProgressBar, "follow", interrupted)
+    with pytest.raises(typer.Exit) as exit_:
+        _follow_with_progress(client, job_id, None, left="stopping the server hands it back")
+    assert exit_.value.exit_code == 130
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: stopped following job {job_id}; stopping the server hands it back"
+    )
