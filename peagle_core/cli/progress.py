@@ -4,6 +4,7 @@ stage (the hidden-state build's tokens) and over the training steps, and one lin
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from peagle_core.events import LOG, CallbackReporter, Event
@@ -14,7 +15,9 @@ class RunProgress:
     stdout); `metrics` also hears every metrics report (a bench's own timing). Use it as a context manager:
     the bars close at the end."""
 
-    def __init__(self, file: TextIO | None = None, *, metrics: Any = None):
+    def __init__(
+        self, file: TextIO | None = None, *, metrics: Callable[[dict[str, Any]], None] | None = None
+    ):
         self.file = file or sys.stderr
         self.extra_metrics = metrics
         self.steps: Any = None  # the training bar, from the first step on

@@ -85,7 +85,7 @@ def plan_groups(
     size = 0
     for i in indices:
         current.append(i)
-        size += dataset[i][0].numel() * token_bytes
+        size += dataset.lengths[i] * token_bytes
         if size >= shard_bytes:
             groups.append(current)
             current, size = [], 0

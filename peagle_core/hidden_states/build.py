@@ -136,8 +136,9 @@ def build_cache(
     todo = [i for i in range(len(dataset)) if i not in cache]
     on_computed = None
     if on_progress is not None:
-        tokens = [int(dataset[i][0].numel()) for i in range(len(dataset))]
-        total, done = sum(tokens), sum(tokens) - sum(tokens[i] for i in todo)
+        tokens = dataset.lengths
+        total = sum(tokens)
+        done = total - sum(tokens[i] for i in todo)
         on_progress(done, total)
 
         def on_computed(indices: Sequence[int]) -> None:

@@ -61,9 +61,11 @@ class CacheMismatchError(CacheError):
 
 
 class TokenDataset(Protocol):
-    """What the cache needs from a prepared dataset: `len`, `ds[i] -> (input_ids, loss_mask)`, fingerprint."""
+    """What the cache needs from a prepared dataset: `len`, `ds[i] -> (input_ids, loss_mask)`, each sample's
+    token count (`lengths`, without reading the sample) and the fingerprint."""
 
     fingerprint: str
+    lengths: Sequence[int]
 
     def __len__(self) -> int: ...
 

@@ -36,6 +36,7 @@ class SyntheticTokens:
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(5, 40, (n,), generator=g).tolist()
         self.ids = [torch.randint(0, 500, (k,), generator=g) for k in lengths]
+        self.lengths = lengths
 
     def __len__(self) -> int:
         return len(self.ids)
