@@ -117,7 +117,9 @@ def demo(
     ] = None,
     timeout_s: Annotated[
         float | None,
-        typer.Option(help="Give up waiting for the job after this many seconds (default: until it ends)."),
+        typer.Option(
+            min=0, help="Give up waiting for the job after this many seconds (default: until it ends)."
+        ),
     ] = None,
     model: Annotated[
         str | None,

@@ -1,5 +1,6 @@
 """`peagle demo --model` on a CPU without bf16 matrix instructions: it says up front that the recipe runs in
-fp32 and how long its budget takes at the rates measured there; on a fast-bf16 CPU or a GPU it says nothing."""
+fp32 and how long its budget takes at the rates measured there; on a fast-bf16 CPU or a GPU it says nothing.
+A negative `--timeout-s` is refused up front."""
 
 from __future__ import annotations
 
@@ -32,3 +33,19 @@ def test_a_fast_bf16_cpu_hears_nothing(flags: frozenset[str]) -> None:
 def test_a_gpu_or_a_smoke_budget_hears_nothing() -> None:
     assert slow_cpu_notice("default", flags=AVX2, cuda=True) is None
     assert slow_cpu_notice("test", flags=AVX2, cuda=False) is None
+
+
+def test_a_negative_timeout_is_refused_before_anything_starts(tmp_path) -> None:
+    import subprocess
+
+    from cli.embedded import PEAGLE
+
+    data_dir = tmp_path / "data"
+    run = subprocess.run(
+        [*PEAGLE, "demo", "--timeout-s", "-1", "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "--timeout-s" in run.stderr and "Traceback" not in run.stderr
+    assert not data_dir.exists()  # refused before the demo made or started anything
