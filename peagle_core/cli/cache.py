@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -52,6 +52,8 @@ def build(
     trust_remote_code: TrustRemoteCodeOption = False,
 ) -> None:
     """Run the verifier over every sample of PREPARED and store its hidden states in OUT."""
+    from tqdm import tqdm
+
     from peagle_core.data.prepare import PreparedDataset
     from peagle_core.hidden_states.build import ComputeBackend, build_cache
     from peagle_core.hidden_states.cache import CacheFingerprint
@@ -73,17 +75,30 @@ def build(
         trust_remote_code=trust_remote_code,
     )
     pad = v.tokenizer.pad_token_id if v.tokenizer.pad_token_id is not None else 0
-    report = build_cache(
-        out,
-        dataset,
-        ComputeBackend(VerifierCompute(dataset, lambda: v, pad_token_id=pad)),
-        CacheFingerprint.of(v, dataset),
-        dtype=dtype,
-        batch_size=batch_size,
-        shard_bytes=max(1, int(shard_mb * (1 << 20))),
-        dataset_dir=str(Path(data).resolve()),
-        progress=True,
-    )
+    bar: Any = None
+
+    def on_progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:  # a resumed build's bar starts at its cached share; the rate counts computed tokens
+            bar = tqdm(total=total, initial=done, desc="hidden states", unit="token", unit_scale=True,
+                       dynamic_ncols=True)  # fmt: skip
+        bar.update(done - bar.n)
+
+    try:
+        report = build_cache(
+            out,
+            dataset,
+            ComputeBackend(VerifierCompute(dataset, lambda: v, pad_token_id=pad)),
+            CacheFingerprint.of(v, dataset),
+            dtype=dtype,
+            batch_size=batch_size,
+            shard_bytes=max(1, int(shard_mb * (1 << 20))),
+            dataset_dir=str(Path(data).resolve()),
+            on_progress=on_progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     typer.echo(
         f"{out}: {report.total_samples} samples, {human_bytes(report.total_bytes)} "
         f"({report.computed} computed, {report.skipped} already cached, {report.shards_written} shards written)"

@@ -106,8 +106,7 @@ class VllmBackend:
         self.on_group = on_group
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool, should_stop: StopCheck = None,
-             on_computed: Computed = None) -> int:  # fmt: skip
+             shard_bytes: int, should_stop: StopCheck = None, on_computed: Computed = None) -> int:  # fmt: skip
         before = set(cache.shards)
         stop_if_asked(should_stop, "hidden-state build stopped before vLLM started")
         self.engine.start()

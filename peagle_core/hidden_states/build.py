@@ -54,8 +54,7 @@ class HiddenStateBackend(Protocol):
     name: str
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool, should_stop: StopCheck = None,
-             on_computed: Computed = None) -> int: ...  # fmt: skip
+             shard_bytes: int, should_stop: StopCheck = None, on_computed: Computed = None) -> int: ...  # fmt: skip
 
 
 @dataclass
@@ -67,35 +66,30 @@ class ComputeBackend:
     name: str = "transformers"
 
     def fill(self, cache: HiddenStateCache, dataset: TokenDataset, todo: Sequence[int], *, batch_size: int,
-             shard_bytes: int, progress: bool, should_stop: StopCheck = None,
-             on_computed: Computed = None) -> int:  # fmt: skip
-        from tqdm import tqdm
-
+             shard_bytes: int, should_stop: StopCheck = None, on_computed: Computed = None) -> int:  # fmt: skip
         dtype, shards = cache.dtype, 0
         buffer: list[tuple[int, HiddenRecord, torch.Tensor]] = []
         buffered = 0
-        with tqdm(total=len(todo), disable=not progress, unit="sample", desc="hidden states") as bar:
-            for start in range(0, len(todo), batch_size):
-                if should_stop is not None and should_stop():
-                    if buffer:  # what was computed is kept: the next attempt resumes after it
-                        shards += cache.write_shard(buffer) is not None
-                    raise StopRequested(f"hidden-state build stopped after {shards} new shard(s)")
-                group = todo[start : start + batch_size]
-                records = self.compute(group)
-                if len(records) != len(group):
-                    raise CacheError(f"compute returned {len(records)} records for {len(group)} samples")
-                for i, rec in zip(group, records, strict=True):
-                    ids = dataset[i][0]
-                    buffer.append((i, rec, ids))
-                    buffered += rec.num_tokens * bytes_per_token(dtype, rec.aux.shape[1], rec.last.shape[1])
-                if buffered >= shard_bytes:
+        for start in range(0, len(todo), batch_size):
+            if should_stop is not None and should_stop():
+                if buffer:  # what was computed is kept: the next attempt resumes after it
                     shards += cache.write_shard(buffer) is not None
-                    buffer, buffered = [], 0
-                bar.update(len(group))
-                if on_computed is not None:
-                    on_computed(group)
-            if buffer:
+                raise StopRequested(f"hidden-state build stopped after {shards} new shard(s)")
+            group = todo[start : start + batch_size]
+            records = self.compute(group)
+            if len(records) != len(group):
+                raise CacheError(f"compute returned {len(records)} records for {len(group)} samples")
+            for i, rec in zip(group, records, strict=True):
+                ids = dataset[i][0]
+                buffer.append((i, rec, ids))
+                buffered += rec.num_tokens * bytes_per_token(dtype, rec.aux.shape[1], rec.last.shape[1])
+            if buffered >= shard_bytes:
                 shards += cache.write_shard(buffer) is not None
+                buffer, buffered = [], 0
+            if on_computed is not None:
+                on_computed(group)
+        if buffer:
+            shards += cache.write_shard(buffer) is not None
         return shards
 
 
@@ -109,7 +103,6 @@ def build_cache(
     batch_size: int = 8,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     dataset_dir: str | None = None,
-    progress: bool = False,
     should_stop: StopCheck = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BuildReport:
@@ -147,8 +140,8 @@ def build_cache(
             on_progress(done, total)
 
     shards = backend.fill(
-        cache, dataset, todo, batch_size=batch_size, shard_bytes=shard_bytes, progress=progress,
-        should_stop=should_stop, on_computed=on_computed,
+        cache, dataset, todo, batch_size=batch_size, shard_bytes=shard_bytes, should_stop=should_stop,
+        on_computed=on_computed,
     )  # fmt: skip
     return BuildReport(len(todo), len(dataset) - len(todo), shards, len(cache), cache.total_bytes)
 

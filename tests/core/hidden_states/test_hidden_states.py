@@ -299,8 +299,12 @@ def test_cli_build_is_resumable_and_verifies(toy_verifier_dir, prepared_dataset,
     assert res.exit_code == 0, res.output
     n = len(PreparedDataset.open(prepared_dataset))
     assert f"{n} computed, 0 already cached" in res.output
+    # The bar counts tokens, on stderr (stdout keeps the report); a finished build's rerun starts it full.
+    assert "hidden states: 100%" in res.stderr and "token/s" in res.stderr, res.stderr
+    assert "hidden states" not in res.stdout
     res = runner.invoke(app, args)
     assert res.exit_code == 0 and f"0 computed, {n} already cached" in res.output
+    assert "hidden states: 100%" in res.stderr and "hidden states:   0%" not in res.stderr, res.stderr
     res = runner.invoke(app, ["cache", "verify", str(out)])
     assert res.exit_code == 0 and "ok" in res.output
     assert HiddenStateCache.open(out).total_bytes < 0.6 * HiddenStateCache.open(built).total_bytes
